@@ -1,0 +1,33 @@
+# Both entry points are self-sufficient on a fresh machine: they create .venv and install.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,server]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m furlong demo
+
+test: $(STAMP)
+	$(PY) -m ruff check furlong tests benchmarks
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check furlong tests benchmarks
+	$(PY) -m ruff format --check furlong tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/logprobs_memory.py
+
+clean:
+	rm -rf $(VENV) runs

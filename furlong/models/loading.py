@@ -1,0 +1,84 @@
+"""One loader for every place that takes a model: a preset name, a local HF directory, or a
+hub id (the last only where a network exists)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from furlong.errors import InputError
+from furlong.models.presets import PRESETS, build_preset
+
+
+def _describe(spec: str) -> str:
+    return (
+        f"model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}), "
+        "a local HF directory, nor a reachable hub id"
+    )
+
+
+def load_model(
+    spec: str | os.PathLike, *, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> tuple[PreTrainedModel, Any]:
+    """``(model, tokenizer)`` for a preset name, a local HF directory or a hub id."""
+    spec = str(spec)
+    if spec in PRESETS:
+        model, tokenizer = build_preset(spec, seed=seed)
+        return model.to(dtype), tokenizer
+    if Path(spec).is_dir() and not (Path(spec) / "config.json").exists():
+        raise InputError(f"model {spec!r}: directory has no config.json (not an HF model dir)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(spec)
+    except OSError as exc:
+        raise InputError(f"{_describe(spec)} ({exc})") from None
+    return model, tokenizer
+
+
+def load_tokenizer(spec: str | os.PathLike) -> Any:
+    spec = str(spec)
+    if spec in PRESETS:
+        return build_preset(spec)[1]
+    try:
+        return AutoTokenizer.from_pretrained(spec)
+    except OSError as exc:
+        raise InputError(f"{_describe(spec)} ({exc})") from None
+
+
+def atomic_dir(out: str | os.PathLike) -> tuple[Path, Path]:
+    """``(tmp, final)``: write into ``tmp``, then ``publish_dir(tmp, final)``."""
+    final = Path(out)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp, final
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Swap ``tmp`` into ``final`` with renames, so readers never see a half-written dir."""
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_hf_dir(model: PreTrainedModel, tokenizer: Any, out: str | os.PathLike) -> Path:
+    """Write a normal HF directory (config.json, safetensors, tokenizer files) atomically."""
+    tmp, final = atomic_dir(out)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_dir(tmp, final)
+    return final

@@ -1,0 +1,1 @@
+"""The training core: log-probs, objectives, batching, the TrainingEngine, optimizers, checkpoints."""

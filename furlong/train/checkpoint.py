@@ -1,0 +1,137 @@
+"""Training checkpoints: safetensors weights + optimizer state, written atomically.
+
+Layout of a checkpoint directory::
+
+    model.safetensors       the model's state dict (tied tensors stored once)
+    optimizer.safetensors   every tensor of the optimizer state, keyed "<param name>.<key>"
+    training_state.json     format, step, parameter order, param groups, scalar state
+
+Loading reads and checks everything before it changes the model or the optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from furlong.errors import InputError
+from furlong.models.loading import atomic_dir, publish_dir
+
+FORMAT = "furlong-train-state-v1"
+
+
+def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Unique tensors by storage, plus ``alias -> stored name`` for tied ones."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, int], str] = {}
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen and t.numel():
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = t.detach().contiguous().cpu()
+    return tensors, aliases
+
+
+def save_training_state(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    param_names: list[str],
+    step: int,
+) -> Path:
+    tensors, aliases = _model_tensors(model)
+    opt = optimizer.state_dict()
+    opt_tensors: dict[str, torch.Tensor] = {}
+    opt_scalars: dict[str, dict[str, Any]] = {}
+    for idx, state in opt["state"].items():
+        name = param_names[idx]
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                opt_tensors[f"{name}.{key}"] = value.detach().contiguous().cpu()
+            else:
+                opt_scalars.setdefault(name, {})[key] = value
+    groups = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+        | {"params": [param_names[i] for i in g["params"]]}
+        for g in opt["param_groups"]
+    ]
+    meta = {
+        "format": FORMAT,
+        "step": step,
+        "param_names": param_names,
+        "param_groups": groups,
+        "optimizer_class": type(optimizer).__name__,
+        "scalar_state": opt_scalars,
+        "aliases": aliases,
+    }
+    tmp, final = atomic_dir(path)
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"))
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        (tmp / "training_state.json").write_text(json.dumps(meta, indent=1))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_dir(tmp, final)
+    return final
+
+
+def read_training_state(path: str | os.PathLike) -> tuple[dict, dict, dict]:
+    """``(model tensors, optimizer tensors, meta)``; raises InputError on anything unreadable."""
+    root = Path(path)
+    files = [root / n for n in ("model.safetensors", "optimizer.safetensors", "training_state.json")]
+    for f in files:
+        if not f.is_file():
+            raise InputError(f"path: {root} is not a furlong training checkpoint ({f.name} missing)")
+    meta = json.loads(files[2].read_text())
+    if meta.get("format") != FORMAT:
+        raise InputError(f"path: {root} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return load_file(str(files[0])), load_file(str(files[1])), meta
+
+
+def check_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], aliases: dict):
+    expected, _ = _model_tensors(model)
+    if set(expected) != set(tensors):
+        missing, extra = set(expected) - set(tensors), set(tensors) - set(expected)
+        raise InputError(
+            f"checkpoint does not match the model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(extra)[:5]}"
+        )
+    for name, t in tensors.items():
+        if t.shape != expected[name].shape:
+            raise InputError(
+                f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
+                f"the model has {tuple(expected[name].shape)}"
+            )
+
+
+def restore_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], aliases: dict) -> None:
+    full = dict(tensors) | {alias: tensors[name] for alias, name in aliases.items()}
+    model.load_state_dict(full, strict=True)
+
+
+def optimizer_state_dict(meta: dict, opt_tensors: dict[str, torch.Tensor], names: list[str]):
+    """Rebuild ``optimizer.state_dict()`` in this process's parameter order."""
+    if meta["param_names"] != names:
+        raise InputError("checkpoint optimizer state was saved for different parameters")
+    index = {n: i for i, n in enumerate(names)}
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in opt_tensors.items():
+        name, _, field = key.rpartition(".")
+        state.setdefault(index[name], {})[field] = value
+    for name, scalars in meta["scalar_state"].items():
+        state.setdefault(index[name], {}).update(scalars)
+    groups = []
+    for g in meta["param_groups"]:
+        group = {k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"}
+        groups.append(group | {"params": [index[n] for n in g["params"]]})
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,229 @@
+"""The TrainingEngine: the core every front door (Python API, RL loop, Tinker service) drives.
+
+    forward · forward_backward · optim_step · save_state · load_state · export_hf
+
+Semantics are Tinker's: raw sums over tokens and datums (the caller owns normalization),
+gradients accumulate across calls until ``optim_step``, and ``forward`` is the same loss pass
+with backward switched off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from furlong.errors import InputError
+from furlong.models.loading import load_model, save_hf_dir
+from furlong.train import checkpoint as ckpt
+from furlong.train.batching import PADDING, Microbatch, collate, plan_microbatches
+from furlong.train.logprobs import auto_chunk_size, graph_connected_zero, head_logprobs
+from furlong.train.objectives import Objective, datum_losses
+from furlong.train.optim import build_adamw, optimizer_step
+from furlong.train.validation import validate_batch
+from furlong.types import AdamParams, Datum, ForwardResult
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_tokens_per_microbatch: int = 8192  # padded tokens per forward pass; <= 0: one pass
+    logprob_chunk_size: int | None = None  # rows per log-prob chunk; None: auto; <= 0: off
+    recompute_loss: bool = False  # activation-checkpoint the loss (head + objective)
+    gradient_checkpointing: bool = False  # HF activation checkpointing of the trunk
+    device: str = "cpu"
+
+
+class TrainingEngine:
+    """Trains one causal LM. Every loss, log-prob and gradient of furlong goes through here."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.model = model.to(self.config.device)
+        self.tokenizer = tokenizer
+        if getattr(model.config, "final_logit_softcapping", None):
+            raise InputError("model: final logit soft-capping is not supported by the fused head")
+        if self.config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable({"use_reentrant": False})
+        self.model.train()  # dropout is 0 in the supported families; one mode for both passes
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.optimizer = build_adamw(self.params)
+        self.step = 0
+        self.vocab_size = int(self.model.get_output_embeddings().out_features)
+        self.input_vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        chunk = self.config.logprob_chunk_size
+        self.chunk_size = auto_chunk_size(self.vocab_size) if chunk is None else chunk
+        self.pad_token_id = int(getattr(model.config, "pad_token_id", None) or 0)
+
+    @classmethod
+    def from_pretrained(
+        cls, spec: str | os.PathLike, config: EngineConfig | None = None, seed: int = 0
+    ) -> TrainingEngine:
+        """An engine on a preset name, a local HF directory or a hub id."""
+        model, tokenizer = load_model(spec, seed=seed)
+        return cls(model, tokenizer, config)
+
+    # ---------------------------------------------------------------- loss passes
+
+    def forward(
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, object] | None = None,
+        *,
+        temperature: float = 1.0,
+    ) -> ForwardResult:
+        """The loss pass without backward: real losses and log-probs, gradients untouched."""
+        return self._run(datums, loss_fn, loss_fn_config, temperature, backward=False)
+
+    def forward_backward(
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, object] | None = None,
+        *,
+        temperature: float = 1.0,
+    ) -> ForwardResult:
+        """The loss pass; gradients of the raw sum accumulate until ``optim_step``."""
+        return self._run(datums, loss_fn, loss_fn_config, temperature, backward=True)
+
+    def _run(
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, object] | None,
+        temperature: float,
+        backward: bool,
+    ) -> ForwardResult:
+        objective, config = validate_batch(
+            datums, loss_fn, loss_fn_config, min(self.vocab_size, self.input_vocab_size),
+            getattr(self.model.config, "max_position_embeddings", None),
+        )
+        if not (isinstance(temperature, int | float) and temperature > 0):
+            raise InputError(f"temperature: must be > 0, got {temperature!r}")
+        outputs: list[dict[str, torch.Tensor] | None] = [None] * len(datums)
+        loss_sum = 0.0
+        plan = plan_microbatches([len(d) for d in datums], self.config.max_tokens_per_microbatch)
+        for group in plan:
+            mb = collate(
+                [datums[i] for i in group], group, objective.inputs, self.pad_token_id,
+                self.config.device,
+            )
+            total, results = self.run_microbatch(mb, objective, config, temperature, backward)
+            loss_sum += total
+            for index, out in results:
+                if outputs[index] is not None:
+                    raise RuntimeError(f"datum {index} produced two outputs in one call")
+                outputs[index] = out
+        if any(o is None for o in outputs):
+            raise RuntimeError("a datum produced no output")
+        metrics = {
+            "loss:sum": loss_sum,
+            "num_tokens:sum": float(sum(len(d) for d in datums)),
+            "num_datums:sum": float(len(datums)),
+        }
+        return ForwardResult(outputs=outputs, metrics=metrics)  # type: ignore[arg-type]
+
+    def run_microbatch(
+        self,
+        mb: Microbatch,
+        objective: Objective,
+        config: Mapping[str, float],
+        temperature: float,
+        backward: bool,
+    ) -> tuple[float, list[tuple[int, dict[str, torch.Tensor]]]]:
+        """One forward (and backward) pass; per-datum outputs come back in the return value."""
+        with torch.set_grad_enabled(backward):
+            hidden = self._hidden_rows(mb)
+            loss = functools.partial(self._loss, mb=mb, objective=objective, config=config,
+                                     temperature=temperature)
+            if backward and self.config.recompute_loss:
+                total, lp, per_datum = checkpoint(loss, hidden, use_reentrant=False)
+            else:
+                total, lp, per_datum = loss(hidden)
+            if backward:
+                total.backward()
+        lp_parts = lp.detach().cpu().split(mb.lengths)
+        per_datum = per_datum.detach().cpu()
+        results = [
+            (index, {"logprobs": lp_parts[j].clone(), "loss": per_datum[j].clone()})
+            for j, index in enumerate(mb.indices)
+            if index != PADDING
+        ]
+        return float(total.detach()), results
+
+    def _hidden_rows(self, mb: Microbatch) -> torch.Tensor:
+        out = self.model.get_decoder()(
+            input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
+        )
+        hidden = out.last_hidden_state
+        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.rows)
+
+    def _loss(
+        self,
+        hidden: torch.Tensor,
+        *,
+        mb: Microbatch,
+        objective: Objective,
+        config: Mapping[str, float],
+        temperature: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        head = self.model.get_output_embeddings()
+        lp, _ = head_logprobs(
+            hidden, head, mb.targets, temperature=temperature, chunk_size=self.chunk_size
+        )
+        per_datum = datum_losses(
+            objective, config, lp, mb.inputs, mb.mask, mb.segment, len(mb.indices)
+        )
+        if mb.has_loss_terms:
+            total = per_datum.sum()
+        else:  # only padding: an fp32 zero that keeps backward (and its collectives) running
+            total = graph_connected_zero(head(hidden[:1]))
+        return total, lp, per_datum
+
+    # ---------------------------------------------------------------- optimizer
+
+    def optim_step(self, adam_params: AdamParams | None = None) -> dict[str, float]:
+        metrics = optimizer_step(self.params, self.optimizer, adam_params or AdamParams())
+        if not metrics["skipped_nonfinite:sum"]:
+            self.step += 1
+        metrics["step:max"] = float(self.step)
+        return metrics
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ---------------------------------------------------------------- state
+
+    def save_state(self, path: str | os.PathLike) -> Path:
+        """Weights + optimizer state, atomically (temp dir + rename)."""
+        return ckpt.save_training_state(
+            path, self.model, self.optimizer, self.param_names, self.step
+        )
+
+    def load_state(self, path: str | os.PathLike, optimizer: bool = True) -> None:
+        """Restore weights (and optimizer state): continuation is bit-identical."""
+        tensors, opt_tensors, meta = ckpt.read_training_state(path)
+        ckpt.check_model_tensors(self.model, tensors, meta["aliases"])
+        opt_state = (
+            ckpt.optimizer_state_dict(meta, opt_tensors, self.param_names) if optimizer else None
+        )
+        with torch.no_grad():
+            ckpt.restore_model(self.model, tensors, meta["aliases"])
+        self.optimizer = build_adamw(self.params)
+        if opt_state is not None:
+            self.optimizer.load_state_dict(opt_state)
+        self.step = int(meta["step"]) if optimizer else 0
+
+    def export_hf(self, path: str | os.PathLike) -> Path:
+        """A normal HF directory that ``AutoModelForCausalLM.from_pretrained`` loads."""
+        if self.tokenizer is None:
+            raise InputError("export_hf: the engine has no tokenizer to export")
+        return save_hf_dir(self.model, self.tokenizer, path)

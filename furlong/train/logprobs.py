@@ -1,0 +1,255 @@
+"""Target log-probs and entropy in chunks of rows, with a delayed FP32 upcast.
+
+This is the one log-prob path of the project. Logits stay in model precision; each chunk of
+rows is *copied* to fp32 (never aliased, so in-place kernels cannot touch the model output),
+divided by the temperature in fp32, then log-softmaxed. Under autograd every chunk is
+recomputed in backward (non-reentrant checkpoint), so neither the transient peak nor the
+saved-for-backward memory grows with the number of rows.
+
+``head_logprobs`` goes one step further and applies the LM head per chunk from the hidden
+states, so the full ``[T, V]`` logits never exist, in forward or in backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK_SIZE = 256
+CHUNK_BYTES = 128 * 2**20  # fp32 working set per chunk when the chunk size is chosen for you
+EntropyMode = Literal["none", "metric", "grad"]
+
+
+def chunk_slices(rows: int, chunk_size: int) -> list[slice]:
+    """``ceil(rows / chunk_size)`` nearly equal row ranges, each at most ``chunk_size`` rows.
+
+    ``chunk_size <= 0`` means one chunk. Zero rows give one empty range so callers still get
+    correctly typed empty outputs.
+    """
+    if rows == 0 or chunk_size <= 0:
+        return [slice(0, rows)]
+    n = math.ceil(rows / chunk_size)
+    base, extra = divmod(rows, n)
+    bounds, start = [], 0
+    for i in range(n):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append(slice(start, stop))
+        start = stop
+    return bounds
+
+
+def auto_chunk_size(vocab_size: int) -> int:
+    """Rows per chunk so one fp32 chunk ``[C, V]`` takes about ``CHUNK_BYTES``."""
+    return max(64, CHUNK_BYTES // (4 * max(1, vocab_size)))
+
+
+def upcast(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """An fp32 *copy* of ``logits``, divided by ``temperature`` after the upcast."""
+    z = logits.to(torch.float32, copy=True)
+    if temperature > 0 and temperature != 1.0:
+        z = z / temperature
+    return z
+
+
+def log_softmax_gather(z_fp32: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Kernel: fp32 rows ``[C, V]`` and targets ``[C]`` or ``[C, K]`` -> their log-probs."""
+    logp = torch.log_softmax(z_fp32, dim=-1)
+    if targets.dim() == 1:
+        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logp.gather(-1, targets)
+
+
+def entropy_kernel(z_fp32: torch.Tensor) -> torch.Tensor:
+    """Kernel: fp32 rows ``[C, V]`` -> entropy of each row's softmax ``[C]``."""
+    logp = torch.log_softmax(z_fp32, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def graph_connected_zero(logits: torch.Tensor) -> torch.Tensor:
+    """An fp32 zero that keeps ``logits`` in the graph (backward and its collectives still run).
+
+    Summing in fp32 matters: a half-precision sum of large logits overflows to inf and
+    ``0 * inf`` is NaN.
+    """
+    return logits.sum(dtype=torch.float32) * 0.0
+
+
+def _maybe_checkpoint(fn: Callable, *args: object, recompute: bool) -> object:
+    # Parameters captured by ``fn`` (the LM head) may need grad even when the inputs do not.
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+def _logprob_chunk(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    return log_softmax_gather(upcast(logits, temperature), targets)
+
+
+def _entropy_chunk(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return entropy_kernel(upcast(logits, temperature))
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    recompute: bool = True,
+) -> torch.Tensor:
+    """fp32 log-probs of ``targets`` (``[R]`` or ``[R, K]``) under ``logits`` ``[R, V]``."""
+    parts = [
+        _maybe_checkpoint(_logprob_chunk, logits[s], targets[s], temperature, recompute=recompute)
+        for s in chunk_slices(logits.shape[0], chunk_size)
+    ]
+    return torch.cat(parts)
+
+
+def token_entropy(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    recompute: bool = True,
+    grad: bool = False,
+) -> torch.Tensor:
+    """fp32 entropy ``[R]`` of each row. With ``grad=False`` it is a metric: no graph is built."""
+    source = logits if grad else logits.detach()
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        parts = [
+            _maybe_checkpoint(_entropy_chunk, source[s], temperature, recompute=recompute)
+            for s in chunk_slices(logits.shape[0], chunk_size)
+        ]
+    return torch.cat(parts)
+
+
+def _head_chunk(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float,
+    entropy: EntropyMode,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    z = upcast(head(hidden), temperature)
+    logprobs = log_softmax_gather(z, targets)
+    if entropy == "grad":
+        return logprobs, entropy_kernel(z)
+    if entropy == "metric":
+        with torch.no_grad():
+            return logprobs, entropy_kernel(z.detach())
+    return logprobs, z.new_empty(0)
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    recompute: bool = True,
+    entropy: EntropyMode = "none",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and optionally entropy) with the LM head applied per chunk of rows.
+
+    ``hidden`` is ``[R, H]``; ``head`` maps ``[C, H]`` to model-precision logits ``[C, V]``.
+    The full logits never exist; with ``recompute`` each chunk's head is re-run in backward.
+    A plain ``nn.Linear`` head takes a fused path whose backward writes the weight gradient
+    into one buffer (no ``[V, H]`` temporary per chunk); other heads (e.g. a LoRA-wrapped
+    head) and a differentiable entropy take the generic checkpointed path.
+    """
+    if recompute and type(head) is nn.Linear and entropy != "grad":
+        lp, ent = _LinearHeadLogprobs.apply(
+            hidden, head.weight, head.bias, targets, temperature, chunk_size, entropy == "metric"
+        )
+        return lp, (ent if entropy == "metric" else None)
+    lps, ents = [], []
+    for s in chunk_slices(hidden.shape[0], chunk_size):
+        lp, ent = _maybe_checkpoint(
+            _head_chunk, hidden[s], targets[s], head, temperature, entropy, recompute=recompute
+        )
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps), (torch.cat(ents) if entropy != "none" else None)
+
+
+def _private_fp32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 logits scaled by the temperature, in place: ``logits`` is a fresh matmul output
+    nobody else holds, so no defensive copy is needed here."""
+    z = logits if logits.dtype == torch.float32 else logits.float()
+    if temperature > 0 and temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+class _LinearHeadLogprobs(torch.autograd.Function):
+    """Chunked ``log_softmax(upcast(hidden @ W.T + b) / T)[target]`` with per-chunk recompute.
+
+    Saves only ``hidden``, the head's parameters, the targets and one fp32 log-sum-exp per row.
+    Backward recomputes each chunk's logits into a private buffer and turns it into the logits
+    gradient in place: ``g * (onehot - softmax) / T``.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk_size: int,
+        want_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        lps, lses, ents = [], [], []
+        for s in chunk_slices(hidden.shape[0], chunk_size):
+            z = _private_fp32(F.linear(hidden[s], weight, bias), temperature)
+            lse = torch.logsumexp(z, dim=-1)
+            t = targets[s] if targets.dim() == 2 else targets[s].unsqueeze(-1)
+            lps.append((z.gather(-1, t) - lse.unsqueeze(-1)).reshape(targets[s].shape))
+            lses.append(lse)
+            if want_entropy:
+                ents.append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
+        ctx.save_for_backward(hidden, weight, bias, targets, torch.cat(lses))
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        entropy = torch.cat(ents) if want_entropy else hidden.new_empty(0, dtype=torch.float32)
+        ctx.mark_non_differentiable(entropy)
+        return torch.cat(lps), entropy
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_lp: torch.Tensor, _grad_entropy: object
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        temperature = ctx.temperature
+        scale = temperature > 0 and temperature != 1.0
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if (need_b and bias is not None) else None
+        for s in chunk_slices(hidden.shape[0], ctx.chunk_size):
+            z = _private_fp32(F.linear(hidden[s], weight, bias), temperature)
+            probs = z.sub_(lse[s].unsqueeze(-1)).exp_()
+            g = grad_lp[s].float()
+            if targets.dim() == 1:
+                probs.mul_(-g.unsqueeze(-1)).scatter_add_(1, targets[s].unsqueeze(-1), g.unsqueeze(-1))
+            else:
+                probs.mul_(-g.sum(-1, keepdim=True)).scatter_add_(1, targets[s], g)
+            if scale:
+                probs.div_(temperature)
+            grad_logits = probs.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[s] = grad_logits @ weight
+            if grad_w is not None:
+                grad_w.addmm_(grad_logits.T, hidden[s])
+            if grad_b is not None:
+                grad_b.add_(grad_logits.sum(0))
+        return grad_h, grad_w, grad_b, None, None, None, None
