@@ -26,11 +26,11 @@ def apply_adam_params(optimizer: torch.optim.Optimizer, adam: AdamParams) -> Non
         group["weight_decay"] = adam.weight_decay
 
 
-def global_grad_norm(params: Sequence[torch.nn.Parameter]) -> float:
+def global_grad_norm(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return 0.0
-    return float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
 
 
 def optimizer_step(
@@ -41,14 +41,15 @@ def optimizer_step(
     A NaN/inf gradient norm vetoes the update (the optimizer's step count does not advance)
     and is reported as ``skipped_nonfinite:sum``.
     """
-    norm = global_grad_norm(params)
+    total_norm = global_grad_norm(params)
+    norm = float(total_norm)
     metrics = {"grad_norm:mean": norm, "learning_rate:mean": adam.learning_rate}
     if not math.isfinite(norm):
         metrics["skipped_nonfinite:sum"] = 1.0
     else:
         metrics["skipped_nonfinite:sum"] = 0.0
         if adam.grad_clip_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, norm)
+            torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, total_norm)
         apply_adam_params(optimizer, adam)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
