@@ -47,7 +47,9 @@ def scaled(batch: list[Datum]) -> list[Datum]:
     """Client-side normalization: weights / (supervised tokens in the batch)."""
     total = sum(float(d.loss_fn_inputs["weights"].sum()) for d in batch)
     return [
-        Datum(d.model_input, dict(d.loss_fn_inputs) | {"weights": d.loss_fn_inputs["weights"] / total})
+        Datum(
+            d.model_input, dict(d.loss_fn_inputs) | {"weights": d.loss_fn_inputs["weights"] / total}
+        )
         for d in batch
     ]
 
@@ -71,8 +73,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, float]:
     out = Path(cfg.out_dir)
     log = MetricsLog(out / "metrics.jsonl")
     adam = AdamParams(learning_rate=cfg.learning_rate, beta2=0.99, eps=1e-8, grad_clip_norm=1.0)
-    print(f"model {cfg.model}: {sum(p.numel() for p in engine.params):,} parameters, "
-          f"{len(data)} addition facts, {cfg.steps} steps of {cfg.batch_size}")
+    print(
+        f"model {cfg.model}: {sum(p.numel() for p in engine.params):,} parameters, "
+        f"{len(data)} addition facts, {cfg.steps} steps of {cfg.batch_size}"
+    )
     first = last = None
     bar = tqdm(range(1, cfg.steps + 1), desc="train", unit="step")
     for step in bar:
@@ -88,9 +92,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, float]:
             tqdm.write(f"step {step:4d}  loss/answer-token {loss:.4f}")
     eval_loss = engine.forward(scaled(data), "cross_entropy").metrics["loss:sum"]
     accuracy = exact_match(engine, data)
-    plot_metrics(out / "metrics.jsonl", out / "loss.png", ["loss", "grad_norm"],
-                 title=f"furlong demo: {cfg.model} SFT on addition")
-    print(f"loss/answer-token {first:.3f} -> {last:.3f}; eval loss {eval_loss:.3f}; "
-          f"exact match {accuracy:.0%}")
+    plot_metrics(
+        out / "metrics.jsonl",
+        out / "loss.png",
+        ["loss", "grad_norm"],
+        title=f"furlong demo: {cfg.model} SFT on addition",
+    )
+    print(
+        f"loss/answer-token {first:.3f} -> {last:.3f}; eval loss {eval_loss:.3f}; "
+        f"exact match {accuracy:.0%}"
+    )
     print(f"metrics: {out / 'metrics.jsonl'}  plot: {out / 'loss.png'}")
     return {"first_loss": first, "last_loss": last, "eval_loss": eval_loss, "accuracy": accuracy}

@@ -18,7 +18,11 @@ INTEGER_INPUTS = frozenset({"target_tokens"})
 
 def _as_tensor(value: Any, name: str, integer: bool) -> torch.Tensor:
     try:
-        t = value.detach() if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+        t = (
+            value.detach()
+            if isinstance(value, torch.Tensor)
+            else torch.as_tensor(np.asarray(value))
+        )
     except (TypeError, ValueError) as exc:
         raise InputError(f"{name}: cannot be read as a tensor ({exc})") from None
     if integer:
@@ -89,4 +93,6 @@ class AdamParams:
                 raise InputError(f"adam_params.{name}: must be finite and >= 0, got {value}")
         for name in ("beta1", "beta2"):
             if getattr(self, name) >= 1:
-                raise InputError(f"adam_params.{name}: must be in [0, 1), got {getattr(self, name)}")
+                raise InputError(
+                    f"adam_params.{name}: must be in [0, 1), got {getattr(self, name)}"
+                )

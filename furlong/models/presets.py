@@ -6,8 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers import Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from furlong.models.tokenizer import train_tokenizer
 

@@ -1,1 +1,1 @@
-"""The training core: log-probs, objectives, batching, the TrainingEngine, optimizers, checkpoints."""
+"""The training core: log-probs, objectives, batching, engine, optimizer, checkpoints."""

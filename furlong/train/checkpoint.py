@@ -88,10 +88,14 @@ def save_training_state(
 def read_training_state(path: str | os.PathLike) -> tuple[dict, dict, dict]:
     """``(model tensors, optimizer tensors, meta)``; raises InputError on anything unreadable."""
     root = Path(path)
-    files = [root / n for n in ("model.safetensors", "optimizer.safetensors", "training_state.json")]
+    files = [
+        root / n for n in ("model.safetensors", "optimizer.safetensors", "training_state.json")
+    ]
     for f in files:
         if not f.is_file():
-            raise InputError(f"path: {root} is not a furlong training checkpoint ({f.name} missing)")
+            raise InputError(
+                f"path: {root} is not a furlong training checkpoint ({f.name} missing)"
+            )
     meta = json.loads(files[2].read_text())
     if meta.get("format") != FORMAT:
         raise InputError(f"path: {root} has format {meta.get('format')!r}, expected {FORMAT!r}")

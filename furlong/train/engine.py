@@ -42,7 +42,9 @@ class EngineConfig:
 class TrainingEngine:
     """Trains one causal LM. Every loss, log-prob and gradient of furlong goes through here."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None):
+    def __init__(
+        self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None
+    ):
         self.config = config or EngineConfig()
         self.model = model.to(self.config.device)
         self.tokenizer = tokenizer
@@ -103,7 +105,10 @@ class TrainingEngine:
         backward: bool,
     ) -> ForwardResult:
         objective, config = validate_batch(
-            datums, loss_fn, loss_fn_config, min(self.vocab_size, self.input_vocab_size),
+            datums,
+            loss_fn,
+            loss_fn_config,
+            min(self.vocab_size, self.input_vocab_size),
             getattr(self.model.config, "max_position_embeddings", None),
         )
         if not (isinstance(temperature, int | float) and temperature > 0):
@@ -113,7 +118,10 @@ class TrainingEngine:
         plan = plan_microbatches([len(d) for d in datums], self.config.max_tokens_per_microbatch)
         for group in plan:
             mb = collate(
-                [datums[i] for i in group], group, objective.inputs, self.pad_token_id,
+                [datums[i] for i in group],
+                group,
+                objective.inputs,
+                self.pad_token_id,
                 self.config.device,
             )
             total, results = self.run_microbatch(mb, objective, config, temperature, backward)
@@ -142,8 +150,9 @@ class TrainingEngine:
         """One forward (and backward) pass; per-datum outputs come back in the return value."""
         with torch.set_grad_enabled(backward):
             hidden = self._hidden_rows(mb)
-            loss = functools.partial(self._loss, mb=mb, objective=objective, config=config,
-                                     temperature=temperature)
+            loss = functools.partial(
+                self._loss, mb=mb, objective=objective, config=config, temperature=temperature
+            )
             if backward and self.config.recompute_loss:
                 total, lp, per_datum = checkpoint(loss, hidden, use_reentrant=False)
             else:

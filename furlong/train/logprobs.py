@@ -87,9 +87,7 @@ def _maybe_checkpoint(fn: Callable, *args: object, recompute: bool) -> object:
     return fn(*args)
 
 
-def _logprob_chunk(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float
-) -> torch.Tensor:
+def _logprob_chunk(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     return log_softmax_gather(upcast(logits, temperature), targets)
 
 
@@ -240,7 +238,9 @@ class _LinearHeadLogprobs(torch.autograd.Function):
             probs = z.sub_(lse[s].unsqueeze(-1)).exp_()
             g = grad_lp[s].float()
             if targets.dim() == 1:
-                probs.mul_(-g.unsqueeze(-1)).scatter_add_(1, targets[s].unsqueeze(-1), g.unsqueeze(-1))
+                probs.mul_(-g.unsqueeze(-1)).scatter_add_(
+                    1, targets[s].unsqueeze(-1), g.unsqueeze(-1)
+                )
             else:
                 probs.mul_(-g.sum(-1, keepdim=True)).scatter_add_(1, targets[s], g)
             if scale:

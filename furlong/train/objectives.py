@@ -108,7 +108,9 @@ OBJECTIVES: dict[str, Objective] = {
 
 def get_objective(name: object) -> Objective:
     if not isinstance(name, str) or name not in OBJECTIVES:
-        raise InputError(f"loss_fn: unknown objective {name!r}; expected one of {sorted(OBJECTIVES)}")
+        raise InputError(
+            f"loss_fn: unknown objective {name!r}; expected one of {sorted(OBJECTIVES)}"
+        )
     return OBJECTIVES[name]
 
 
