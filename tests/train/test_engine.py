@@ -184,3 +184,21 @@ def test_padding_datums_add_nothing_to_real_ones() -> None:
     assert [i for i, _ in results] == [0]
     assert total_mixed == pytest.approx(total_alone, rel=1e-6)
     assert_close_dicts(mixed, grads(alone))
+
+
+def test_padding_only_microbatch_with_fp16_logits_stays_finite() -> None:
+    """fp16 logits whose half-precision sum overflows: the placeholder is still exactly 0."""
+    e = engine()
+    e.model.half()
+    head = e.model.get_output_embeddings()
+    with torch.no_grad():
+        head.weight.fill_(60.0)
+    objective = get_objective("cross_entropy")
+    mb = collate(random_datums([4]), [PADDING], objective.inputs)
+    with torch.no_grad():
+        logits = head(e._hidden_rows(mb)[:1])
+    assert torch.isinf(logits.sum())  # the naive fp16 placeholder would be 0 * inf = NaN
+    total, results = e.run_microbatch(mb, objective, {}, 1.0, backward=True)
+    assert total == 0.0 and results == []
+    assert head.weight.grad is not None
+    assert all(torch.isfinite(p.grad).all() for p in e.params if p.grad is not None)
