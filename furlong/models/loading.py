@@ -28,6 +28,8 @@ def load_model(
 ) -> tuple[PreTrainedModel, Any]:
     """``(model, tokenizer)`` for a preset name, a local HF directory or a hub id."""
     spec = str(spec)
+    if not spec.strip():
+        raise InputError("model: empty name; give a preset, a local HF directory or a hub id")
     if spec in PRESETS:
         model, tokenizer = build_preset(spec, seed=seed)
         return model.to(dtype), tokenizer
@@ -35,20 +37,24 @@ def load_model(
         raise InputError(f"model {spec!r}: directory has no config.json (not an HF model dir)")
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(spec)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         raise InputError(f"{_describe(spec)} ({exc})") from None
-    return model, tokenizer
+    return model, load_tokenizer(spec)
 
 
 def load_tokenizer(spec: str | os.PathLike) -> Any:
+    """The tokenizer of a preset, local HF directory or hub id; refuses an unusable one."""
     spec = str(spec)
     if spec in PRESETS:
         return build_preset(spec)[1]
     try:
-        return AutoTokenizer.from_pretrained(spec)
-    except OSError as exc:
-        raise InputError(f"{_describe(spec)} ({exc})") from None
+        tokenizer = AutoTokenizer.from_pretrained(spec)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"tokenizer of {spec!r} cannot be loaded ({exc})") from None
+    # transformers 5 falls back to an empty tokenizer when the files are missing.
+    if len(tokenizer) <= 1:
+        raise InputError(f"tokenizer of {spec!r}: no tokenizer files found (vocabulary is empty)")
+    return tokenizer
 
 
 def atomic_dir(out: str | os.PathLike) -> tuple[Path, Path]:

@@ -171,3 +171,12 @@ def test_load_model_nonsense_spec_lists_presets() -> None:
     assert "no-such-preset-xyz" in message
     for name in PRESETS:
         assert name in message
+
+
+def test_load_model_refuses_a_directory_without_tokenizer(tmp_path) -> None:
+    model, _ = build_preset("tiny-qwen3")
+    model.save_pretrained(tmp_path / "weights-only")
+    with pytest.raises(InputError, match="tokenizer"):
+        load_model(tmp_path / "weights-only")
+    with pytest.raises(InputError, match="empty name"):
+        load_model("")

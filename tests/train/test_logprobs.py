@@ -24,15 +24,7 @@ from furlong.train.logprobs import (
     upcast,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These tensors are tiny: on a loaded 2-core machine intra-op thread hand-offs dominate
-    # (100x slower than one thread). Restored afterwards for other modules.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gen(seed: int) -> torch.Generator:

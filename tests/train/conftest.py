@@ -1,0 +1,12 @@
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: on a loaded 2-core machine intra-op thread hand-offs dominate (up to 100x
+    slower than one thread). Restored afterwards for other modules."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
