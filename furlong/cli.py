@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a tiny offline model on CPU and show the loss fall")
     demo.add_argument("--model", default="small-qwen3", help="preset name or local HF directory")
-    demo.add_argument("--steps", type=int, default=120)
+    demo.add_argument("--steps", type=int, default=300)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--out", default="runs/demo", help="metrics.jsonl and loss.png go here")
     demo.set_defaults(func=_demo)

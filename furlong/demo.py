@@ -22,7 +22,7 @@ from furlong.types import AdamParams, Datum
 @dataclass(frozen=True)
 class DemoConfig:
     model: str = "small-qwen3"
-    steps: int = 120
+    steps: int = 300
     batch_size: int = 32
     learning_rate: float = 3e-3
     seed: int = 0
