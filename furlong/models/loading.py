@@ -66,8 +66,24 @@ def atomic_dir(out: str | os.PathLike) -> tuple[Path, Path]:
     return tmp, final
 
 
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def publish_dir(tmp: Path, final: Path) -> None:
-    """Swap ``tmp`` into ``final`` with renames, so readers never see a half-written dir."""
+    """Swap ``tmp`` into ``final`` with renames, so readers never see a half-written dir.
+
+    The files are fsynced first: after a crash the directory is either the old one or the
+    complete new one."""
+    _fsync_tree(tmp)
     old = None
     if final.exists():
         old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"

@@ -51,7 +51,7 @@ class TrainingEngine:
         if getattr(model.config, "final_logit_softcapping", None):
             raise InputError("model: final logit soft-capping is not supported by the fused head")
         if self.config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable({"use_reentrant": False})
+            self.model.activation_checkpointing_enable({"use_reentrant": False})
         self.model.train()  # dropout is 0 in the supported families; one mode for both passes
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.param_names = [n for n, _ in named]
@@ -66,10 +66,17 @@ class TrainingEngine:
 
     @classmethod
     def from_pretrained(
-        cls, spec: str | os.PathLike, config: EngineConfig | None = None, seed: int = 0
+        cls,
+        spec: str | os.PathLike,
+        config: EngineConfig | None = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
     ) -> TrainingEngine:
-        """An engine on a preset name, a local HF directory or a hub id."""
-        model, tokenizer = load_model(spec, seed=seed)
+        """An engine on a preset name, a local HF directory or a hub id.
+
+        ``dtype`` is the model precision (keep fp32 on CPU: bf16 matmuls are emulated there);
+        log-probs are computed in fp32 whatever it is."""
+        model, tokenizer = load_model(spec, seed=seed, dtype=dtype)
         return cls(model, tokenizer, config)
 
     # ---------------------------------------------------------------- loss passes

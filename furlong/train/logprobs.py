@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -179,21 +178,43 @@ def head_logprobs(
     return torch.cat(lps), (torch.cat(ents) if entropy != "none" else None)
 
 
-def _private_fp32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 logits scaled by the temperature, in place: ``logits`` is a fresh matmul output
-    nobody else holds, so no defensive copy is needed here."""
-    z = logits if logits.dtype == torch.float32 else logits.float()
-    if temperature > 0 and temperature != 1.0:
-        z.div_(temperature)
-    return z
+class _ChunkWorkspace:
+    """One ``[C, V]`` logits buffer (plus an fp32 one for low-precision models) reused by every
+    chunk: a fresh buffer per chunk costs page faults on each allocation, and one buffer
+    instead of a logits + temporary pair halves the transient peak."""
+
+    def __init__(self, rows: int, weight: torch.Tensor):
+        vocab = weight.shape[0]
+        self.logits = weight.new_empty(rows, vocab)
+        fp32 = weight.dtype == torch.float32
+        self.fp32 = self.logits if fp32 else weight.new_empty(rows, vocab, dtype=torch.float32)
+
+    def fp32_logits(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temp: float
+    ) -> torch.Tensor:
+        """``upcast(hidden @ W.T + b) / temp`` in the workspace: the buffer is private, so the
+        defensive copy of :func:`upcast` is not needed."""
+        out = self.logits[: hidden.shape[0]]
+        if bias is None:
+            logits = torch.mm(hidden, weight.t(), out=out)
+        else:
+            logits = torch.addmm(bias, hidden, weight.t(), out=out)
+        z = logits if self.fp32 is self.logits else self.fp32[: len(out)].copy_(logits)
+        if temp > 0 and temp != 1.0:
+            z.div_(temp)
+        return z
+
+    def in_model_dtype(self, z: torch.Tensor) -> torch.Tensor:
+        return z if self.fp32 is self.logits else self.logits[: len(z)].copy_(z)
 
 
 class _LinearHeadLogprobs(torch.autograd.Function):
     """Chunked ``log_softmax(upcast(hidden @ W.T + b) / T)[target]`` with per-chunk recompute.
 
     Saves only ``hidden``, the head's parameters, the targets and one fp32 log-sum-exp per row.
-    Backward recomputes each chunk's logits into a private buffer and turns it into the logits
-    gradient in place: ``g * (onehot - softmax) / T``.
+    Backward recomputes each chunk's logits into a reused buffer and turns it into the logits
+    gradient in place: ``g * (onehot - softmax) / T``. Every reduction is row-wise, so a row's
+    result does not depend on which rows share its chunk.
     """
 
     @staticmethod
@@ -207,15 +228,19 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         chunk_size: int,
         want_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        slices = chunk_slices(hidden.shape[0], chunk_size)
+        work = _ChunkWorkspace(slices[0].stop - slices[0].start, weight)
         lps, lses, ents = [], [], []
-        for s in chunk_slices(hidden.shape[0], chunk_size):
-            z = _private_fp32(F.linear(hidden[s], weight, bias), temperature)
-            lse = torch.logsumexp(z, dim=-1)
+        for s in slices:
+            z = work.fp32_logits(hidden[s], weight, bias, temperature)
             t = targets[s] if targets.dim() == 2 else targets[s].unsqueeze(-1)
-            lps.append((z.gather(-1, t) - lse.unsqueeze(-1)).reshape(targets[s].shape))
-            lses.append(lse)
+            picked = z.gather(-1, t)
             if want_entropy:
-                ents.append(lse - (torch.softmax(z, dim=-1) * z).sum(-1))
+                ents.append(entropy_kernel(z))
+            peak = z.amax(dim=-1, keepdim=True)
+            lse = z.sub_(peak).exp_().sum(-1, keepdim=True).log_() + peak  # z is spent now
+            lps.append((picked - lse).reshape(targets[s].shape))
+            lses.append(lse.squeeze(-1))
         ctx.save_for_backward(hidden, weight, bias, targets, torch.cat(lses))
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         entropy = torch.cat(ents) if want_entropy else hidden.new_empty(0, dtype=torch.float32)
@@ -228,28 +253,26 @@ class _LinearHeadLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         temperature = ctx.temperature
-        scale = temperature > 0 and temperature != 1.0
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
         grad_b = torch.zeros_like(bias) if (need_b and bias is not None) else None
-        for s in chunk_slices(hidden.shape[0], ctx.chunk_size):
-            z = _private_fp32(F.linear(hidden[s], weight, bias), temperature)
-            probs = z.sub_(lse[s].unsqueeze(-1)).exp_()
+        slices = chunk_slices(hidden.shape[0], ctx.chunk_size)
+        work = _ChunkWorkspace(slices[0].stop - slices[0].start, weight)
+        for s in slices:
+            z = work.fp32_logits(hidden[s], weight, bias, temperature)
+            probs = z.sub_(lse[s].unsqueeze(-1)).exp_()  # softmax, in place
             g = grad_lp[s].float()
-            if targets.dim() == 1:
-                probs.mul_(-g.unsqueeze(-1)).scatter_add_(
-                    1, targets[s].unsqueeze(-1), g.unsqueeze(-1)
-                )
-            else:
-                probs.mul_(-g.sum(-1, keepdim=True)).scatter_add_(1, targets[s], g)
-            if scale:
+            t = targets[s] if targets.dim() == 2 else targets[s].unsqueeze(-1)
+            g2 = g if g.dim() == 2 else g.unsqueeze(-1)
+            probs.mul_(-g2.sum(-1, keepdim=True)).scatter_add_(1, t, g2)
+            if temperature > 0 and temperature != 1.0:
                 probs.div_(temperature)
-            grad_logits = probs.to(weight.dtype)
+            grad_logits = work.in_model_dtype(probs)
             if grad_h is not None:
-                grad_h[s] = grad_logits @ weight
+                torch.mm(grad_logits, weight, out=grad_h[s])
             if grad_w is not None:
-                grad_w.addmm_(grad_logits.T, hidden[s])
+                grad_w.addmm_(grad_logits.t(), hidden[s])
             if grad_b is not None:
                 grad_b.add_(grad_logits.sum(0))
         return grad_h, grad_w, grad_b, None, None, None, None

@@ -202,3 +202,23 @@ def test_padding_only_microbatch_with_fp16_logits_stays_finite() -> None:
     assert total == 0.0 and results == []
     assert head.weight.grad is not None
     assert all(torch.isfinite(p.grad).all() for p in e.params if p.grad is not None)
+
+
+def test_trunk_activation_checkpointing_keeps_results() -> None:
+    data = random_datums([6, 9], "dro")
+    plain, ckpt = engine(), engine(gradient_checkpointing=True)
+    a = plain.forward_backward(data, "dro")
+    b = ckpt.forward_backward(data, "dro")
+    for x, y in zip(a.outputs, b.outputs, strict=True):
+        torch.testing.assert_close(x["logprobs"], y["logprobs"], atol=1e-6, rtol=0)
+    assert_close_dicts(grads(plain), grads(ckpt))
+
+
+def test_model_precision_engine_reports_fp32_logprobs() -> None:
+    """A bf16 model: outputs are fp32 and match the bf16 model's own logits upcast to fp32."""
+    e = engine()
+    e.model.to(torch.bfloat16)
+    d = random_datums([5])[0]
+    out = e.forward([d], "cross_entropy").outputs[0]
+    assert out["logprobs"].dtype == torch.float32
+    torch.testing.assert_close(out["logprobs"], hf_logprobs(e, d), atol=1e-6, rtol=0)
