@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from furlong.errors import InputError
+
 DEFAULT_CHUNK_SIZE = 256
 CHUNK_BYTES = 128 * 2**20  # fp32 working set per chunk when the chunk size is chosen for you
 EntropyMode = Literal["none", "metric", "grad"]
@@ -108,6 +110,104 @@ def token_logprobs(
         for s in chunk_slices(logits.shape[0], chunk_size)
     ]
     return torch.cat(parts)
+
+
+def support_matrix(
+    vocab_size: int, ids: torch.Tensor, offsets: torch.Tensor, vocab_start: int = 0
+) -> torch.Tensor:
+    """Bool ``[rows, vocab_size]`` from CSR supports (``ids`` int, ``offsets`` ``[rows + 1]``).
+
+    ``vocab_start`` selects a vocabulary shard ``[vocab_start, vocab_start + vocab_size)``;
+    ids outside it are dropped."""
+    rows = offsets.numel() - 1
+    lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)
+    row_of = torch.repeat_interleave(torch.arange(rows, device=ids.device), lengths)
+    local = ids.to(torch.int64) - vocab_start
+    inside = (local >= 0) & (local < vocab_size)
+    keep = torch.zeros(rows, vocab_size, dtype=torch.bool, device=ids.device)
+    keep[row_of[inside], local[inside]] = True
+    return keep
+
+
+def masked_log_softmax_gather(
+    z_fp32: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor
+) -> torch.Tensor:
+    """Kernel: ``z[a] - logsumexp_{S}(z)``; tokens outside the support get no gradient and a
+    singleton support gives exactly 0. Masking commutes with the temperature division."""
+    masked = z_fp32.masked_fill(~keep, float("-inf"))
+    return torch.log_softmax(masked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def check_targets_in_support(
+    targets: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
+) -> None:
+    """Every sampled token must lie in its own row's kept set (CSR, no ``[R, V]`` matrix)."""
+    lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)
+    row_of = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    hits = torch.zeros(lengths.numel(), dtype=torch.int64)
+    hits.index_add_(0, row_of, (ids.to(torch.int64) == targets[row_of]).to(torch.int64))
+    if bool((hits == 0).any()):
+        row = int((hits == 0).nonzero()[0])
+        raise InputError(
+            f"sampling mask: position {row}: target token {int(targets[row])} is not in its "
+            "kept-token set"
+        )
+
+
+def _masked_chunk(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    keep = support_matrix(logits.shape[-1], ids, offsets)
+    return masked_log_softmax_gather(upcast(logits, temperature), targets, keep)
+
+
+def masked_token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    recompute: bool = True,
+) -> torch.Tensor:
+    """Sampling-mask replay: fp32 log-probs of ``targets`` ``[R]`` renormalised over each
+    row's kept set (CSR ``ids`` / ``offsets`` ``[R + 1]``), chunked like :func:`token_logprobs`.
+
+    Raises InputError when a target lies outside its row's support."""
+    if offsets.numel() != logits.shape[0] + 1:
+        raise InputError(
+            f"sampling mask: {offsets.numel() - 1} positions for {logits.shape[0]} rows"
+        )
+    check_targets_in_support(targets, ids, offsets)
+    parts = []
+    for s in chunk_slices(logits.shape[0], chunk_size):
+        lo, hi = int(offsets[s.start]), int(offsets[s.stop])
+        chunk_ids, chunk_offsets = ids[lo:hi], offsets[s.start : s.stop + 1] - lo
+        parts.append(
+            _maybe_checkpoint(
+                _masked_chunk,
+                logits[s],
+                targets[s],
+                chunk_ids,
+                chunk_offsets,
+                temperature,
+                recompute=recompute,
+            )
+        )
+    return torch.cat(parts)
+
+
+def shard_masked_stats(z_shard: torch.Tensor, keep_shard: torch.Tensor) -> torch.Tensor:
+    """One vocabulary shard's masked ``logsumexp`` per row (``-inf`` if no kept id lives there).
+
+    Shards combine with ``torch.logsumexp(torch.stack(stats), 0)`` (an all-reduce of max and
+    sum-exp under tensor parallelism)."""
+    return torch.logsumexp(z_shard.masked_fill(~keep_shard, float("-inf")), dim=-1)
 
 
 def token_entropy(
