@@ -79,7 +79,18 @@ def _take(tensors: dict, key: str, dtype: torch.dtype, used: set[str]) -> torch.
 
 
 def decode_samples(payload: bytes, fields: Sequence[str] = DEFAULT_FIELDS) -> list[Sample]:
+    """Samples from ``payload``; any malformed or corrupted payload raises InputError
+    (a ValueError), never another exception."""
     fields = _check_fields(fields)
+    try:
+        return _decode(payload, fields)
+    except InputError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - corruption may surface anywhere in the walk
+        raise InputError(f"codec: malformed payload ({type(exc).__name__}: {exc})") from None
+
+
+def _decode(payload: bytes, fields: tuple[str, ...]) -> list[Sample]:
     try:
         tensors = load(payload)
         header_len = int.from_bytes(payload[:8], "little")  # safetensors: u64 size, JSON header

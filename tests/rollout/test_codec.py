@@ -110,3 +110,26 @@ def test_wrong_dtype_and_unreferenced_tensors_are_rejected() -> None:
         decode_samples(b"garbage", MASKED)
     with pytest.raises(InputError, match="unknown"):
         encode_samples(samples(), (*DEFAULT_FIELDS, "nope"))
+
+
+def test_corrupted_payloads_raise_value_error_only() -> None:
+    """Fuzz: random byte flips and truncations give a ValueError or decode, never anything else."""
+    import random
+
+    payload = encode_samples(samples(), MASKED)
+    rng = random.Random(0)
+    outcomes = {"decoded": 0, "rejected": 0}
+    for trial in range(600):
+        data = bytearray(payload)
+        if trial % 5 == 0:
+            data = data[: rng.randrange(len(data))]
+        else:
+            for _ in range(rng.randint(1, 4)):
+                pos = rng.randrange(len(data))
+                data[pos] = rng.randrange(256)
+        try:
+            decode_samples(bytes(data), MASKED)
+            outcomes["decoded"] += 1
+        except ValueError:
+            outcomes["rejected"] += 1
+    assert outcomes["rejected"] > 100  # the fuzzer really hit the parser
