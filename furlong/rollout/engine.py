@@ -1,0 +1,205 @@
+"""The embedded rollout engine: continuous batching over an HF causal LM with a KV cache.
+
+Requests join the running batch as soon as a slot is free and leave as soon as they stop, so
+short answers never wait for long ones. The batch shares one left-padded KV cache: a joining
+request is prefilled alone and its cache is padded into the batch; a leaving one is selected
+out and common left padding is trimmed. Every generated token comes with its log-prob under
+the distribution actually sampled from and, on request, its kept set (a ``SamplingMask``).
+
+Not yet here (rollout issue): prompt and top-k log-probs, routed experts, weight updates,
+pause modes and the memory API.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from transformers import DynamicCache
+
+from furlong.errors import InputError
+from furlong.rollout.sampling import SamplingParams, draw, request_generator
+from furlong.rollout.sampling_mask import SamplingMask
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    request_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]  # the terminating token(s) included
+    output_logprobs: list[float]
+    finish_reason: FinishReason
+    sampling_mask: SamplingMask | None
+    weight_version: int
+
+
+@dataclass
+class _Running:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    kept: list[list[int]] = field(default_factory=list)
+
+
+class EmbeddedEngine:
+    """Rollout on an in-process HF model (the CPU default; also the tests' reference)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, max_running: int = 16):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_running = max_running
+        self.weight_version = 0
+        self.vocab_size = int(model.get_output_embeddings().out_features)
+        eos = model.generation_config.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- API
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[GenerateResult]:
+        """Generate for every prompt (results in request order), batching continuously."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise InputError(f"params: {len(plist)} for {len(prompts)} prompts")
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise InputError(f"prompts[{i}]: empty")
+            bad = [t for t in prompt if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise InputError(f"prompts[{i}]: token id {bad[0]} outside [0, {self.vocab_size})")
+        queue = deque(
+            _Running(
+                request_id=next(self._ids),
+                prompt=[int(t) for t in prompt],
+                params=p,
+                stop_ids=self.eos_ids if p.stop_token_ids is None else frozenset(p.stop_token_ids),
+                generator=request_generator(p.seed),
+            )
+            for prompt, p in zip(prompts, plist, strict=True)
+        )
+        order = [r.request_id for r in queue]
+        done = {req.request_id: (req, reason) for req, reason in self._run(queue)}
+        return [self._result(*done[i]) for i in order]
+
+    # ---------------------------------------------------------------- scheduler
+
+    @torch.no_grad()
+    def _run(self, queue: deque[_Running]):
+        running: list[_Running] = []
+        cache, mask, logits = None, None, None  # batch state: cache, [B, T] mask, [B, V]
+        while queue or running:
+            while queue and len(running) < self.max_running:  # join
+                req = queue.popleft()
+                req_cache, req_logits = self._prefill(req.prompt)
+                cache, mask = _merge(cache, mask, req_cache, len(req.prompt))
+                logits = req_logits if logits is None else torch.cat([logits, req_logits])
+                running.append(req)
+            keep, last = [], []
+            for row, req in enumerate(running):  # one token per running request
+                reason = self._step(req, logits[row])
+                if reason is None:
+                    keep.append(row)
+                    last.append(req.output[-1])
+                else:
+                    yield req, reason
+            if len(keep) < len(running):  # leave
+                running = [running[i] for i in keep]
+                if not running:
+                    cache, mask, logits = None, None, None
+                    continue
+                cache, mask = _select(cache, mask, keep)
+            logits, mask = self._decode(cache, mask, last)
+
+    def _step(self, req: _Running, logits: torch.Tensor) -> FinishReason | None:
+        d = draw(logits, req.params, req.generator)
+        req.output.append(d.token)
+        req.logprobs.append(d.logprob)
+        if d.kept is not None:
+            req.kept.append(d.kept.tolist())
+        if d.token in req.stop_ids:
+            return "stop"
+        if req.params.stop and any(s in self.tokenizer.decode(req.output) for s in req.params.stop):
+            return "stop"
+        if len(req.output) >= req.params.max_tokens:
+            return "length"
+        return None
+
+    def _prefill(self, prompt: list[int]) -> tuple[DynamicCache, torch.Tensor]:
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
+        return cache, out.logits[:, -1].float()
+
+    def _decode(
+        self, cache: DynamicCache, mask: torch.Tensor, last: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = torch.cat([mask, torch.ones(len(last), 1, dtype=mask.dtype)], dim=1)
+        positions = mask.sum(1, keepdim=True) - 1
+        out = self.model(
+            input_ids=torch.tensor(last).unsqueeze(1),
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1].float(), mask
+
+    def _result(self, req: _Running, reason: FinishReason) -> GenerateResult:
+        return GenerateResult(
+            request_id=req.request_id,
+            prompt_ids=req.prompt,
+            output_ids=req.output,
+            output_logprobs=req.logprobs,
+            finish_reason=reason,
+            sampling_mask=SamplingMask.from_lists(req.kept) if req.kept else None,
+            weight_version=self.weight_version,
+        )
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    pad = width - t.shape[dim]
+    if pad == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _merge(
+    cache: DynamicCache | None, mask: torch.Tensor | None, new: DynamicCache, new_len: int
+) -> tuple[DynamicCache, torch.Tensor]:
+    """Append a prefilled request's cache as a new batch row, left-padding to a common width."""
+    new_mask = torch.ones(1, new_len, dtype=torch.int64)
+    if cache is None or mask is None:
+        return new, new_mask
+    width = max(mask.shape[1], new_len)
+    for layer, joining in zip(cache.layers, new.layers, strict=True):
+        layer.keys = torch.cat([_left_pad(layer.keys, width, 2), _left_pad(joining.keys, width, 2)])
+        layer.values = torch.cat(
+            [_left_pad(layer.values, width, 2), _left_pad(joining.values, width, 2)]
+        )
+    return cache, torch.cat([_left_pad(mask, width, 1), _left_pad(new_mask, width, 1)])
+
+
+def _select(
+    cache: DynamicCache, mask: torch.Tensor, rows: list[int]
+) -> tuple[DynamicCache, torch.Tensor]:
+    """Keep ``rows`` of the batch and trim left padding no remaining row needs."""
+    index = torch.tensor(rows)
+    mask = mask[index]
+    lead = int((mask.cumsum(1) == 0).sum(1).min())
+    for layer in cache.layers:
+        layer.keys = layer.keys[index, :, lead:]
+        layer.values = layer.values[index, :, lead:]
+    return cache, mask[:, lead:]
