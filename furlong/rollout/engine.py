@@ -1,10 +1,11 @@
 """The embedded rollout engine: continuous batching over an HF causal LM with a KV cache.
 
 Requests join the running batch as soon as a slot is free and leave as soon as they stop, so
-short answers never wait for long ones. The batch shares one left-padded KV cache: a joining
-request is prefilled alone and its cache is padded into the batch; a leaving one is selected
-out and common left padding is trimmed. Every generated token comes with its log-prob under
-the distribution actually sampled from and, on request, its kept set (a ``SamplingMask``).
+short answers never wait for long ones. The batch shares one left-padded KV cache: requests
+joining at the same step are prefilled together and their cache rows are padded into the
+batch; a leaving request is selected out and common left padding is trimmed. Every generated
+token comes with its log-prob under the distribution actually sampled from and, on request,
+its kept set (a ``SamplingMask``).
 
 Not yet here (rollout issue): prompt and top-k log-probs, routed experts, weight updates,
 pause modes and the memory API.
@@ -22,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from furlong.errors import InputError
-from furlong.rollout.sampling import SamplingParams, draw, request_generator
+from furlong.rollout.sampling import Draw, SamplingParams, draw_batch, request_generator
 from furlong.rollout.sampling_mask import SamplingMask
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -100,15 +101,18 @@ class EmbeddedEngine:
         running: list[_Running] = []
         cache, mask, logits = None, None, None  # batch state: cache, [B, T] mask, [B, V]
         while queue or running:
-            while queue and len(running) < self.max_running:  # join
-                req = queue.popleft()
-                req_cache, req_logits = self._prefill(req.prompt)
-                cache, mask = _merge(cache, mask, req_cache, len(req.prompt))
-                logits = req_logits if logits is None else torch.cat([logits, req_logits])
-                running.append(req)
+            joining = []
+            while queue and len(running) + len(joining) < self.max_running:  # join
+                joining.append(queue.popleft())
+            if joining:  # one left-padded prefill for everyone joining at this step
+                new_cache, new_mask, new_logits = self._prefill([r.prompt for r in joining])
+                cache, mask = _merge(cache, mask, new_cache, new_mask)
+                logits = new_logits if logits is None else torch.cat([logits, new_logits])
+                running.extend(joining)
+            draws = draw_batch(logits, [r.params for r in running], [r.generator for r in running])
             keep, last = [], []
-            for row, req in enumerate(running):  # one token per running request
-                reason = self._step(req, logits[row])
+            for row, (req, d) in enumerate(zip(running, draws, strict=True)):  # one token each
+                reason = self._record(req, d)
                 if reason is None:
                     keep.append(row)
                     last.append(req.output[-1])
@@ -122,8 +126,7 @@ class EmbeddedEngine:
                 cache, mask = _select(cache, mask, keep)
             logits, mask = self._decode(cache, mask, last)
 
-    def _step(self, req: _Running, logits: torch.Tensor) -> FinishReason | None:
-        d = draw(logits, req.params, req.generator)
+    def _record(self, req: _Running, d: Draw) -> FinishReason | None:
         req.output.append(d.token)
         req.logprobs.append(d.logprob)
         if d.kept is not None:
@@ -136,10 +139,19 @@ class EmbeddedEngine:
             return "length"
         return None
 
-    def _prefill(self, prompt: list[int]) -> tuple[DynamicCache, torch.Tensor]:
+    def _prefill(self, prompts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True)
-        return cache, out.logits[:, -1].float()
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+            cache=cache,
+            use_cache=True,
+        )
+        return cache, mask, out.logits[:, -1].float()
 
     def _decode(
         self, cache: DynamicCache, mask: torch.Tensor, last: list[int]
@@ -177,13 +189,15 @@ def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
 
 
 def _merge(
-    cache: DynamicCache | None, mask: torch.Tensor | None, new: DynamicCache, new_len: int
+    cache: DynamicCache | None,
+    mask: torch.Tensor | None,
+    new: DynamicCache,
+    new_mask: torch.Tensor,
 ) -> tuple[DynamicCache, torch.Tensor]:
-    """Append a prefilled request's cache as a new batch row, left-padding to a common width."""
-    new_mask = torch.ones(1, new_len, dtype=torch.int64)
+    """Append prefilled requests' cache rows to the batch, left-padding to a common width."""
     if cache is None or mask is None:
         return new, new_mask
-    width = max(mask.shape[1], new_len)
+    width = max(mask.shape[1], new_mask.shape[1])
     for layer, joining in zip(cache.layers, new.layers, strict=True):
         layer.keys = torch.cat([_left_pad(layer.keys, width, 2), _left_pad(joining.keys, width, 2)])
         layer.values = torch.cat(

@@ -10,6 +10,7 @@ tokens do not depend on which other requests share its batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,41 +65,67 @@ class Draw:
     kept: torch.Tensor | None  # int64 sorted ids of the kept set, when asked
 
 
-def kept_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """fp32 log-probs ``[V]`` over the kept set (``-inf`` elsewhere) for one position."""
+def kept_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """fp32 log-probs ``[B, V]`` over each row's kept set (``-inf`` elsewhere).
+
+    Row-wise throughout (temperature, then top-k, then top-p over the renormalised top-k
+    distribution, then min-p against the row's max), so a row's result never depends on the
+    other rows of the batch. Ties at the top-k boundary are broken by vocabulary order."""
     z = logits.to(torch.float32, copy=True)
-    if params.temperature == 0:  # greedy: the kept set is the argmax alone
-        out = torch.full_like(z, float("-inf"))
-        out[int(z.argmax())] = 0.0
-        return out
-    if params.temperature != 1.0:
-        z /= params.temperature
-    if 0 < params.top_k < z.numel():
-        threshold = torch.topk(z, params.top_k).values[-1]
-        z[z < threshold] = float("-inf")
-    logp = torch.log_softmax(z, dim=-1)
-    if params.top_p < 1.0:
-        sorted_logp, order = torch.sort(logp, descending=True)
-        before = torch.cumsum(sorted_logp.exp(), 0) - sorted_logp.exp()  # mass ahead of each
-        drop = before >= params.top_p  # keep the smallest prefix reaching top_p (>= 1 token)
-        drop[0] = False
-        logp[order[drop]] = float("-inf")
-    if params.min_p > 0:
-        logp[logp < logp.max() + math.log(params.min_p)] = float("-inf")
-    return torch.log_softmax(logp, dim=-1)  # renormalise over the kept set
+    rows, vocab = z.shape
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    greedy = temps == 0
+    z /= torch.where(greedy, 1.0, temps).unsqueeze(-1)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    keep = torch.ones(rows, vocab, dtype=torch.bool)
+    if bool((top_k < vocab).any() or (top_p < 1).any()):
+        sorted_z, order = torch.sort(z, dim=-1, descending=True, stable=True)
+        ranks = torch.arange(vocab).expand(rows, vocab)
+        in_k = ranks < top_k.unsqueeze(-1)
+        sorted_p = torch.softmax(sorted_z.masked_fill(~in_k, float("-inf")), dim=-1)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        in_p = (mass_before < top_p.unsqueeze(-1)) | (ranks == 0)  # smallest prefix >= top_p
+        keep = torch.zeros_like(keep).scatter_(1, order, in_k & in_p)
+    logp = torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    if bool((min_p > 0).any()):
+        floor = logp.amax(-1, keepdim=True) + torch.log(min_p).unsqueeze(-1)
+        keep &= logp >= floor
+    if bool(greedy.any()):
+        argmax = torch.zeros_like(keep).scatter_(1, z.argmax(-1, keepdim=True), True)
+        keep = torch.where(greedy.unsqueeze(-1), argmax, keep)
+    return torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+
+
+def draw_batch(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+) -> list[Draw]:
+    """One token per row, each row drawn by inverse CDF with its own request's generator."""
+    logp = kept_logprobs(logits, params)
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    cdf = torch.cumsum(logp.exp().double(), dim=-1)
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    # u can land on a zero-width step at the end: take the last kept id at or before it.
+    index = torch.arange(logp.shape[1])
+    eligible = torch.isfinite(logp) & (index <= tokens.clamp(max=logp.shape[1] - 1).unsqueeze(-1))
+    tokens = torch.where(eligible, index, -1).amax(-1)
+    chosen = logp.gather(1, tokens.unsqueeze(-1)).squeeze(-1)
+    draws = []
+    for row, p in enumerate(params):
+        kept = torch.isfinite(logp[row]).nonzero().squeeze(-1) if p.return_sampling_mask else None
+        draws.append(Draw(int(tokens[row]), float(chosen[row]), kept))
+    return draws
+
+
+def kept_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row of :func:`kept_logprobs`: ``[V]`` -> ``[V]``."""
+    return kept_logprobs(logits.unsqueeze(0), [params])[0]
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> Draw:
     """Sample one token from ``logits`` ``[V]`` with the request's own generator."""
-    logp = kept_distribution(logits, params)
-    probs = logp.exp()
-    u = torch.rand((), generator=generator, dtype=torch.float64)
-    cdf = torch.cumsum(probs.double(), 0)
-    token = int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=probs.numel() - 1))
-    while not math.isfinite(float(logp[token])):  # u landed on a zero-width step at the end
-        token -= 1
-    kept = torch.isfinite(logp).nonzero().squeeze(-1) if params.return_sampling_mask else None
-    return Draw(token=token, logprob=float(logp[token]), kept=kept)
+    return draw_batch(logits.unsqueeze(0), [params], [generator])[0]
 
 
 def request_generator(seed: int | None) -> torch.Generator:
