@@ -7,19 +7,22 @@ batch; a leaving request is selected out and common left padding is trimmed. Eve
 token comes with its log-prob under the distribution actually sampled from and, on request,
 its kept set (a ``SamplingMask``).
 
-Not yet here (rollout issue): prompt and top-k log-probs, routed experts, weight updates,
-pause modes and the memory API.
+Not yet here (rollout issue): prompt and top-k log-probs, routed experts, pause modes and
+the memory API.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from furlong.errors import InputError
@@ -93,6 +96,32 @@ class EmbeddedEngine:
         order = [r.request_id for r in queue]
         done = {req.request_id: (req, reason) for req, reason in self._run(queue)}
         return [self._result(*done[i]) for i in order]
+
+    @torch.no_grad()
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike) -> int:
+        """Publish new weights (a state dict in process, or a safetensors file / HF directory
+        across processes). Every name and shape is checked before any copy; returns the new
+        weight version, which every later result carries."""
+        if isinstance(weights, str | os.PathLike):
+            path = Path(weights)
+            files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+            if not files or not all(f.is_file() for f in files):
+                raise InputError(f"update_weights: no safetensors file at {path}")
+            weights = {k: v for f in files for k, v in load_file(str(f)).items()}
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(weights) - set(params))
+        if unknown:
+            raise InputError(f"update_weights: unknown tensors {unknown[:4]}")
+        for name, tensor in weights.items():
+            if tensor.shape != params[name].shape:
+                raise InputError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the engine's is {tuple(params[name].shape)}"
+                )
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
+        self.weight_version += 1
+        return self.weight_version
 
     # ---------------------------------------------------------------- scheduler
 

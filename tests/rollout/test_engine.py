@@ -126,3 +126,43 @@ def test_bad_requests_name_the_prompt(setup) -> None:
         engine.generate([[1, 99999]], SamplingParams())
     with pytest.raises(InputError, match="params: 1 for 2 prompts"):
         engine.generate(prompts[:2], [SamplingParams()])
+
+
+def test_update_weights_publishes_trainer_weights(tmp_path) -> None:
+    model, tokenizer = build_preset("tiny-qwen3", seed=0)
+    engine = EmbeddedEngine(model, tokenizer)
+    trainer = TrainingEngine.from_pretrained("tiny-qwen3", seed=1)  # different weights
+    prompt = tokenizer("What is 1 + 1?")["input_ids"]
+    params = never_stop(max_tokens=6, seed=0)
+
+    def scored_by_trainer(r) -> torch.Tensor:
+        tokens = r.prompt_ids + r.output_ids
+        d = Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        return trainer.forward([d], "cross_entropy").outputs[0]["logprobs"][len(prompt) - 1 :]
+
+    (before,) = engine.generate([prompt], params)
+    assert before.weight_version == 0
+    assert (scored_by_trainer(before) - torch.tensor(before.output_logprobs)).abs().max() > 1e-3
+    state = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    assert engine.update_weights(state) == 1
+    (after,) = engine.generate([prompt], params)
+    assert after.weight_version == 1
+    torch.testing.assert_close(
+        scored_by_trainer(after), torch.tensor(after.output_logprobs), atol=1e-5, rtol=0
+    )
+    trainer.export_hf(tmp_path / "hf")  # across processes: an HF dir of safetensors
+    assert engine.update_weights(tmp_path / "hf") == 2
+
+
+def test_update_weights_rejects_bad_tensors_without_changes(setup) -> None:
+    model, tokenizer, _ = setup
+    engine = EmbeddedEngine(model, tokenizer)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    name = next(iter(before))
+    bad = {n: torch.zeros_like(p) for n, p in before.items()} | {name: torch.zeros(3)}
+    with pytest.raises(InputError, match=f"{name!r} has shape"):
+        engine.update_weights(bad)
+    with pytest.raises(InputError, match="unknown tensors"):
+        engine.update_weights({"nope": torch.zeros(1)})
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert engine.weight_version == 0
