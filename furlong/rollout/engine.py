@@ -7,8 +7,7 @@ batch; a leaving request is selected out and common left padding is trimmed. Eve
 token comes with its log-prob under the distribution actually sampled from and, on request,
 its kept set (a ``SamplingMask``).
 
-Not yet here (rollout issue): prompt and top-k log-probs, routed experts, pause modes and
-the memory API.
+Not yet here (rollout issue): routed experts, pause modes and the memory API.
 """
 
 from __future__ import annotations
@@ -41,6 +40,8 @@ class GenerateResult:
     finish_reason: FinishReason
     sampling_mask: SamplingMask | None
     weight_version: int
+    prompt_logprobs: list[float] | None = None  # raw model log-probs, NaN at position 0
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token
 
 
 @dataclass
@@ -53,6 +54,8 @@ class _Running:
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     kept: list[list[int]] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None
 
 
 class EmbeddedEngine:
@@ -134,7 +137,7 @@ class EmbeddedEngine:
             while queue and len(running) + len(joining) < self.max_running:  # join
                 joining.append(queue.popleft())
             if joining:  # one left-padded prefill for everyone joining at this step
-                new_cache, new_mask, new_logits = self._prefill([r.prompt for r in joining])
+                new_cache, new_mask, new_logits = self._prefill(joining)
                 cache, mask = _merge(cache, mask, new_cache, new_mask)
                 logits = new_logits if logits is None else torch.cat([logits, new_logits])
                 running.extend(joining)
@@ -160,6 +163,8 @@ class EmbeddedEngine:
         req.logprobs.append(d.logprob)
         if d.kept is not None:
             req.kept.append(d.kept.tolist())
+        if d.top:
+            req.top.append(list(d.top))
         if d.token in req.stop_ids:
             return "stop"
         if req.params.stop and any(s in self.tokenizer.decode(req.output) for s in req.params.stop):
@@ -168,10 +173,12 @@ class EmbeddedEngine:
             return "length"
         return None
 
-    def _prefill(self, prompts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+    def _prefill(self, joining: list[_Running]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+        prompts = [r.prompt for r in joining]
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        want_prompt = [r.params.prompt_logprobs for r in joining]
         cache = DynamicCache(config=self.model.config)
         out = self.model(
             input_ids=ids,
@@ -179,7 +186,14 @@ class EmbeddedEngine:
             position_ids=(mask.cumsum(1) - 1).clamp(min=0),
             cache=cache,
             use_cache=True,
+            logits_to_keep=0 if any(want_prompt) else 1,
         )
+        for row, req in enumerate(joining):
+            if want_prompt[row]:
+                n = len(req.prompt)
+                logp = torch.log_softmax(out.logits[row, width - n : -1].float(), dim=-1)
+                picked = logp.gather(-1, torch.tensor(req.prompt[1:]).unsqueeze(-1)).squeeze(-1)
+                req.prompt_logprobs = [float("nan")] + picked.tolist()
         return cache, mask, out.logits[:, -1].float()
 
     def _decode(
@@ -205,6 +219,8 @@ class EmbeddedEngine:
             finish_reason=reason,
             sampling_mask=SamplingMask.from_lists(req.kept) if req.kept else None,
             weight_version=self.weight_version,
+            prompt_logprobs=req.prompt_logprobs,
+            top_logprobs=req.top if req.params.top_logprobs else None,
         )
 
 

@@ -29,6 +29,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None  # None: the model's EOS; (): never on ids
     stop: tuple[str, ...] = ()  # stop strings, checked on the decoded response
     return_sampling_mask: bool = False
+    # Reporting options (they do not change what is sampled):
+    prompt_logprobs: bool = False  # raw model log-probs of the prompt tokens (NaN at 0)
+    top_logprobs: int = 0  # per generated token, the N most likely ids of the kept distribution
 
     def __post_init__(self) -> None:
         def fail(field: str, why: str) -> None:
@@ -46,6 +49,10 @@ class SamplingParams:
             fail("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p < 1.0:
             fail("min_p", f"must be in [0, 1), got {self.min_p}")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int):
+            fail("top_logprobs", f"expected an integer, got {self.top_logprobs!r}")
+        if self.top_logprobs < 0:
+            fail("top_logprobs", f"must be >= 0, got {self.top_logprobs}")
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -63,6 +70,7 @@ class Draw:
     token: int
     logprob: float  # under the renormalised distribution actually sampled from
     kept: torch.Tensor | None  # int64 sorted ids of the kept set, when asked
+    top: tuple[tuple[int, float], ...] = ()  # (id, log-prob) of the most likely kept ids
 
 
 def kept_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -114,7 +122,11 @@ def draw_batch(
     draws = []
     for row, p in enumerate(params):
         kept = torch.isfinite(logp[row]).nonzero().squeeze(-1) if p.return_sampling_mask else None
-        draws.append(Draw(int(tokens[row]), float(chosen[row]), kept))
+        top: tuple[tuple[int, float], ...] = ()
+        if p.top_logprobs:
+            values, ids = torch.topk(logp[row], min(p.top_logprobs, logp.shape[1]))
+            top = tuple((int(i), float(v)) for i, v in zip(ids, values, strict=True))
+        draws.append(Draw(int(tokens[row]), float(chosen[row]), kept, top))
     return draws
 
 

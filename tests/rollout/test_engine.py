@@ -166,3 +166,23 @@ def test_update_weights_rejects_bad_tensors_without_changes(setup) -> None:
         engine.update_weights({"nope": torch.zeros(1)})
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     assert engine.weight_version == 0
+
+
+def test_prompt_and_top_logprobs_match_a_teacher_forced_forward(setup) -> None:
+    model, tokenizer, prompts = setup
+    params = never_stop(max_tokens=4, seed=2, prompt_logprobs=True, top_logprobs=3)
+    results = EmbeddedEngine(model, tokenizer).generate([prompts[0], prompts[5]], params)
+    assert len(prompts[0]) != len(prompts[5])  # prefilled together, left-padded
+    for r in results:
+        tokens = torch.tensor([r.prompt_ids + r.output_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(tokens).logits[0].float(), -1)
+        n = len(r.prompt_ids)
+        assert len(r.prompt_logprobs) == n and torch.isnan(torch.tensor(r.prompt_logprobs[0]))
+        expected = logp[: n - 1].gather(-1, tokens[0, 1:n, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.prompt_logprobs[1:]), expected, atol=1e-5, rtol=0)
+        assert len(r.top_logprobs) == len(r.output_ids)
+        for step, top in enumerate(r.top_logprobs):
+            values, ids = torch.topk(logp[n - 1 + step], 3)
+            assert [i for i, _ in top] == ids.tolist()
+            torch.testing.assert_close(torch.tensor([v for _, v in top]), values, atol=1e-5, rtol=0)
