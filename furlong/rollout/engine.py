@@ -7,7 +7,7 @@ batch; a leaving request is selected out and common left padding is trimmed. Eve
 token comes with its log-prob under the distribution actually sampled from and, on request,
 its kept set (a ``SamplingMask``).
 
-Not yet here (rollout issue): routed experts, pause modes and the memory API.
+Not yet here (rollout issue): pause modes and the memory API.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from furlong.errors import InputError
+from furlong.rollout.routing import RoutingRecorder
 from furlong.rollout.sampling import Draw, SamplingParams, draw_batch, request_generator
 from furlong.rollout.sampling_mask import SamplingMask
 
@@ -42,6 +43,9 @@ class GenerateResult:
     weight_version: int
     prompt_logprobs: list[float] | None = None  # raw model log-probs, NaN at position 0
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token
+    # MoE: int32 [len(prompt + output) - 1 - start, layers, top_k]; row i = position start + i
+    routed_experts: torch.Tensor | None = None
+    routed_experts_start: int = 0
 
 
 @dataclass
@@ -56,6 +60,7 @@ class _Running:
     kept: list[list[int]] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
+    routing: list[torch.Tensor] = field(default_factory=list)  # [positions, layers, top_k] parts
 
 
 class EmbeddedEngine:
@@ -70,6 +75,7 @@ class EmbeddedEngine:
         eos = model.generation_config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._ids = itertools.count()
+        self.router = RoutingRecorder(model)
 
     # ---------------------------------------------------------------- API
 
@@ -86,6 +92,8 @@ class EmbeddedEngine:
             bad = [t for t in prompt if not 0 <= int(t) < self.vocab_size]
             if bad:
                 raise InputError(f"prompts[{i}]: token id {bad[0]} outside [0, {self.vocab_size})")
+        if any(p.return_routed_experts for p in plist) and not self.router.is_moe:
+            raise InputError("return_routed_experts: the model has no MoE routers")
         queue = deque(
             _Running(
                 request_id=next(self._ids),
@@ -156,7 +164,7 @@ class EmbeddedEngine:
                     cache, mask, logits = None, None, None
                     continue
                 cache, mask = _select(cache, mask, keep)
-            logits, mask = self._decode(cache, mask, last)
+            logits, mask = self._decode(cache, mask, last, running)
 
     def _record(self, req: _Running, d: Draw) -> FinishReason | None:
         req.output.append(d.token)
@@ -180,14 +188,20 @@ class EmbeddedEngine:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         want_prompt = [r.params.prompt_logprobs for r in joining]
         cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=0 if any(want_prompt) else 1,
-        )
+        with self.router.record():
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=0 if any(want_prompt) else 1,
+            )
+        if self.router.is_moe:
+            rows = self.router.rows(len(joining))
+            for row, req in enumerate(joining):
+                if req.params.return_routed_experts:
+                    req.routing.append(rows[row, width - len(req.prompt) :].clone())
         for row, req in enumerate(joining):
             if want_prompt[row]:
                 n = len(req.prompt)
@@ -197,17 +211,23 @@ class EmbeddedEngine:
         return cache, mask, out.logits[:, -1].float()
 
     def _decode(
-        self, cache: DynamicCache, mask: torch.Tensor, last: list[int]
+        self, cache: DynamicCache, mask: torch.Tensor, last: list[int], running: list[_Running]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         mask = torch.cat([mask, torch.ones(len(last), 1, dtype=mask.dtype)], dim=1)
         positions = mask.sum(1, keepdim=True) - 1
-        out = self.model(
-            input_ids=torch.tensor(last).unsqueeze(1),
-            attention_mask=mask,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-        )
+        with self.router.record():
+            out = self.model(
+                input_ids=torch.tensor(last).unsqueeze(1),
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+            )
+        if self.router.is_moe:
+            rows = self.router.rows(len(last))
+            for row, req in enumerate(running):
+                if req.params.return_routed_experts:
+                    req.routing.append(rows[row].clone())
         return out.logits[:, -1].float(), mask
 
     def _result(self, req: _Running, reason: FinishReason) -> GenerateResult:
@@ -221,6 +241,12 @@ class EmbeddedEngine:
             weight_version=self.weight_version,
             prompt_logprobs=req.prompt_logprobs,
             top_logprobs=req.top if req.params.top_logprobs else None,
+            routed_experts=(
+                torch.cat(req.routing)[req.params.routed_experts_start :]
+                if req.params.return_routed_experts
+                else None
+            ),
+            routed_experts_start=req.params.routed_experts_start,
         )
 
 

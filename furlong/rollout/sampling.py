@@ -32,6 +32,8 @@ class SamplingParams:
     # Reporting options (they do not change what is sampled):
     prompt_logprobs: bool = False  # raw model log-probs of the prompt tokens (NaN at 0)
     top_logprobs: int = 0  # per generated token, the N most likely ids of the kept distribution
+    return_routed_experts: bool = False  # MoE: experts per position and layer (int32 rows)
+    routed_experts_start: int = 0  # only rows from this position on (incremental R3)
 
     def __post_init__(self) -> None:
         def fail(field: str, why: str) -> None:
@@ -51,6 +53,8 @@ class SamplingParams:
             fail("min_p", f"must be in [0, 1), got {self.min_p}")
         if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int):
             fail("top_logprobs", f"expected an integer, got {self.top_logprobs!r}")
+        if self.routed_experts_start < 0:
+            fail("routed_experts_start", f"must be >= 0, got {self.routed_experts_start}")
         if self.top_logprobs < 0:
             fail("top_logprobs", f"must be >= 0, got {self.top_logprobs}")
         if self.stop_token_ids is not None:

@@ -186,3 +186,39 @@ def test_prompt_and_top_logprobs_match_a_teacher_forced_forward(setup) -> None:
             values, ids = torch.topk(logp[n - 1 + step], 3)
             assert [i for i, _ in top] == ids.tolist()
             torch.testing.assert_close(torch.tensor([v for _, v in top]), values, atol=1e-5, rtol=0)
+
+
+def test_moe_routed_experts_match_a_recorded_full_forward() -> None:
+    from furlong.rollout.routing import RoutingRecorder
+
+    model, tokenizer = build_preset("tiny-qwen3-moe", seed=0)
+    prompts = [tokenizer("What is 4 + 4?")["input_ids"], tokenizer("Hi")["input_ids"]]
+    engine = EmbeddedEngine(model, tokenizer, max_running=2)
+    params = never_stop(max_tokens=7, seed=4, return_routed_experts=True)
+    results = engine.generate(prompts, params)
+    recorder = RoutingRecorder(model)
+    for r in results:
+        tokens = r.prompt_ids + r.output_ids
+        with torch.no_grad(), recorder.record():
+            model(torch.tensor([tokens]))
+        full = recorder.rows(1)[0]  # [len(tokens), layers, top_k]
+        assert r.routed_experts.dtype == torch.int32
+        assert r.routed_experts.shape == (len(tokens) - 1, 2, 2)
+        # same experts, order within the top-k aside
+        assert torch.equal(r.routed_experts.sort(-1).values, full[:-1].sort(-1).values)
+
+    start = len(prompts[0]) - 1  # incremental: only rows from the offset on
+    (tail,) = engine.generate(
+        prompts[:1],
+        never_stop(max_tokens=7, seed=4, return_routed_experts=True, routed_experts_start=start),
+    )
+    assert tail.routed_experts_start == start
+    assert torch.equal(tail.routed_experts, results[0].routed_experts[start:])
+
+
+def test_routed_experts_need_a_moe_model(setup) -> None:
+    model, tokenizer, prompts = setup
+    with pytest.raises(InputError, match="no MoE routers"):
+        EmbeddedEngine(model, tokenizer).generate(
+            prompts[:1], SamplingParams(return_routed_experts=True)
+        )
