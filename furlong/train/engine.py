@@ -23,9 +23,15 @@ from furlong.errors import InputError
 from furlong.models.loading import load_model, save_hf_dir
 from furlong.train import checkpoint as ckpt
 from furlong.train.batching import PADDING, Microbatch, collate, plan_microbatches
-from furlong.train.logprobs import auto_chunk_size, graph_connected_zero, head_logprobs
+from furlong.train.logprobs import (
+    RowSupports,
+    auto_chunk_size,
+    graph_connected_zero,
+    head_logprobs,
+)
 from furlong.train.objectives import Objective, datum_losses
 from furlong.train.optim import build_adamw, optimizer_step
+from furlong.train.replay import concat_supports, row_supports
 from furlong.train.validation import validate_batch
 from furlong.types import AdamParams, Datum, ForwardResult
 
@@ -88,9 +94,12 @@ class TrainingEngine:
         loss_fn_config: Mapping[str, object] | None = None,
         *,
         temperature: float = 1.0,
+        sampling_masks: Sequence[Any] | None = None,
     ) -> ForwardResult:
         """The loss pass without backward: real losses and log-probs, gradients untouched."""
-        return self._run(datums, loss_fn, loss_fn_config, temperature, backward=False)
+        return self._run(
+            datums, loss_fn, loss_fn_config, temperature, sampling_masks, backward=False
+        )
 
     def forward_backward(
         self,
@@ -99,9 +108,16 @@ class TrainingEngine:
         loss_fn_config: Mapping[str, object] | None = None,
         *,
         temperature: float = 1.0,
+        sampling_masks: Sequence[Any] | None = None,
     ) -> ForwardResult:
-        """The loss pass; gradients of the raw sum accumulate until ``optim_step``."""
-        return self._run(datums, loss_fn, loss_fn_config, temperature, backward=True)
+        """The loss pass; gradients of the raw sum accumulate until ``optim_step``.
+
+        ``sampling_masks`` (one per datum, or None) replays the rollout's kept sets: a mask of
+        ``n`` positions covers the datum's last ``n`` targets (the response), which are then
+        scored over their kept set instead of the whole vocabulary."""
+        return self._run(
+            datums, loss_fn, loss_fn_config, temperature, sampling_masks, backward=True
+        )
 
     def _run(
         self,
@@ -109,6 +125,7 @@ class TrainingEngine:
         loss_fn: str,
         loss_fn_config: Mapping[str, object] | None,
         temperature: float,
+        sampling_masks: Sequence[Any] | None,
         backward: bool,
     ) -> ForwardResult:
         objective, config = validate_batch(
@@ -120,6 +137,7 @@ class TrainingEngine:
         )
         if not (isinstance(temperature, int | float) and temperature > 0):
             raise InputError(f"temperature: must be > 0, got {temperature!r}")
+        supports = row_supports(datums, sampling_masks)
         outputs: list[dict[str, torch.Tensor] | None] = [None] * len(datums)
         loss_sum = 0.0
         plan = plan_microbatches([len(d) for d in datums], self.config.max_tokens_per_microbatch)
@@ -131,7 +149,12 @@ class TrainingEngine:
                 self.pad_token_id,
                 self.config.device,
             )
-            total, results = self.run_microbatch(mb, objective, config, temperature, backward)
+            group_supports = (
+                None if supports is None else concat_supports([supports[i] for i in group])
+            )
+            total, results = self.run_microbatch(
+                mb, objective, config, temperature, backward, group_supports
+            )
             loss_sum += total
             for index, out in results:
                 if outputs[index] is not None:
@@ -153,12 +176,18 @@ class TrainingEngine:
         config: Mapping[str, float],
         temperature: float,
         backward: bool,
+        supports: RowSupports | None = None,
     ) -> tuple[float, list[tuple[int, dict[str, torch.Tensor]]]]:
         """One forward (and backward) pass; per-datum outputs come back in the return value."""
         with torch.set_grad_enabled(backward):
             hidden = self._hidden_rows(mb)
             loss = functools.partial(
-                self._loss, mb=mb, objective=objective, config=config, temperature=temperature
+                self._loss,
+                mb=mb,
+                objective=objective,
+                config=config,
+                temperature=temperature,
+                supports=supports,
             )
             if backward and self.config.recompute_loss:
                 total, lp, per_datum = checkpoint(loss, hidden, use_reentrant=False)
@@ -190,10 +219,16 @@ class TrainingEngine:
         objective: Objective,
         config: Mapping[str, float],
         temperature: float,
+        supports: RowSupports | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         head = self.model.get_output_embeddings()
         lp, _ = head_logprobs(
-            hidden, head, mb.targets, temperature=temperature, chunk_size=self.chunk_size
+            hidden,
+            head,
+            mb.targets,
+            temperature=temperature,
+            chunk_size=self.chunk_size,
+            supports=supports,
         )
         per_datum = datum_losses(
             objective, config, lp, mb.inputs, mb.mask, mb.segment, len(mb.indices)

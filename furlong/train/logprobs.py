@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -228,6 +229,75 @@ def token_entropy(
     return torch.cat(parts)
 
 
+@dataclass(frozen=True)
+class RowSupports:
+    """Kept sets for some rows: ``masked`` ``[R]`` bool; CSR ``ids`` / ``offsets`` ``[R + 1]``
+    where unmasked rows have length 0 (full vocabulary)."""
+
+    masked: torch.Tensor
+    ids: torch.Tensor
+    offsets: torch.Tensor
+
+    def chunk(self, s: slice) -> RowSupports:
+        lo, hi = int(self.offsets[s.start]), int(self.offsets[s.stop])
+        return RowSupports(self.masked[s], self.ids[lo:hi], self.offsets[s.start : s.stop + 1] - lo)
+
+    def keep(self, vocab_size: int) -> torch.Tensor:
+        keep = support_matrix(vocab_size, self.ids, self.offsets)
+        return keep | ~self.masked.unsqueeze(-1)
+
+
+def _masked_head_chunk(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    masked: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float,
+    entropy: EntropyMode,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    z = upcast(head(hidden), temperature)
+    keep = RowSupports(masked, ids, offsets).keep(z.shape[-1])
+    logprobs = masked_log_softmax_gather(z, targets, keep)
+    if entropy == "none":
+        return logprobs, z.new_empty(0)
+    with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+        return logprobs, entropy_kernel(z if entropy == "grad" else z.detach())
+
+
+def _masked_head_logprobs(
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    targets: torch.Tensor,
+    supports: RowSupports,
+    temperature: float,
+    chunk_size: int,
+    recompute: bool,
+    entropy: EntropyMode,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if targets.dim() != 1:
+        raise InputError("sampling masks: replay needs 1-D target_tokens")
+    lps, ents = [], []
+    for s in chunk_slices(hidden.shape[0], chunk_size):
+        part = supports.chunk(s)
+        lp, ent = _maybe_checkpoint(
+            _masked_head_chunk,
+            hidden[s],
+            targets[s],
+            part.masked,
+            part.ids,
+            part.offsets,
+            head,
+            temperature,
+            entropy,
+            recompute=recompute,
+        )
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps), (torch.cat(ents) if entropy != "none" else None)
+
+
 def _head_chunk(
     hidden: torch.Tensor,
     targets: torch.Tensor,
@@ -254,8 +324,12 @@ def head_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     recompute: bool = True,
     entropy: EntropyMode = "none",
+    supports: RowSupports | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and optionally entropy) with the LM head applied per chunk of rows.
+
+    ``supports`` replays sampling masks: masked rows are renormalised over their kept set
+    (entropy stays the full-vocabulary metric).
 
     ``hidden`` is ``[R, H]``; ``head`` maps ``[C, H]`` to model-precision logits ``[C, V]``.
     The full logits never exist; with ``recompute`` each chunk's head is re-run in backward.
@@ -263,6 +337,10 @@ def head_logprobs(
     into one buffer (no ``[V, H]`` temporary per chunk); other heads (e.g. a LoRA-wrapped
     head) and a differentiable entropy take the generic checkpointed path.
     """
+    if supports is not None:
+        return _masked_head_logprobs(
+            hidden, head, targets, supports, temperature, chunk_size, recompute, entropy
+        )
     if recompute and type(head) is nn.Linear and entropy != "grad":
         lp, ent = _LinearHeadLogprobs.apply(
             hidden, head.weight, head.bias, targets, temperature, chunk_size, entropy == "metric"
