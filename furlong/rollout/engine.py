@@ -175,11 +175,19 @@ class EmbeddedEngine:
             req.top.append(list(d.top))
         if d.token in req.stop_ids:
             return "stop"
-        if req.params.stop and any(s in self.tokenizer.decode(req.output) for s in req.params.stop):
+        if req.params.stop and self._hits_stop_string(req):
             return "stop"
         if len(req.output) >= req.params.max_tokens:
             return "length"
         return None
+
+    def _hits_stop_string(self, req: _Running) -> bool:
+        """A stop string that ends in the newest token. Earlier text was checked at earlier
+        steps, so only a tail is decoded: a string of L characters spans at most 4L byte-level
+        tokens (plus one that may end it)."""
+        longest = max(map(len, req.params.stop))
+        text = self.tokenizer.decode(req.output[-(4 * longest + 1) :])
+        return any(s in text for s in req.params.stop)
 
     def _prefill(self, joining: list[_Running]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
         prompts = [r.prompt for r in joining]
@@ -188,7 +196,7 @@ class EmbeddedEngine:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         want_prompt = [r.params.prompt_logprobs for r in joining]
         cache = DynamicCache(config=self.model.config)
-        with self.router.record():
+        with self.router.record(_wants_routing(joining)):
             out = self.model(
                 input_ids=ids,
                 attention_mask=mask,
@@ -197,11 +205,7 @@ class EmbeddedEngine:
                 use_cache=True,
                 logits_to_keep=0 if any(want_prompt) else 1,
             )
-        if self.router.is_moe:
-            rows = self.router.rows(len(joining))
-            for row, req in enumerate(joining):
-                if req.params.return_routed_experts:
-                    req.routing.append(rows[row, width - len(req.prompt) :].clone())
+        self._collect_routing(joining, [width - len(p) for p in prompts])
         for row, req in enumerate(joining):
             if want_prompt[row]:
                 n = len(req.prompt)
@@ -215,7 +219,7 @@ class EmbeddedEngine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         mask = torch.cat([mask, torch.ones(len(last), 1, dtype=mask.dtype)], dim=1)
         positions = mask.sum(1, keepdim=True) - 1
-        with self.router.record():
+        with self.router.record(_wants_routing(running)):
             out = self.model(
                 input_ids=torch.tensor(last).unsqueeze(1),
                 attention_mask=mask,
@@ -223,12 +227,17 @@ class EmbeddedEngine:
                 cache=cache,
                 use_cache=True,
             )
-        if self.router.is_moe:
-            rows = self.router.rows(len(last))
-            for row, req in enumerate(running):
-                if req.params.return_routed_experts:
-                    req.routing.append(rows[row].clone())
+        self._collect_routing(running, [0] * len(running))
         return out.logits[:, -1].float(), mask
+
+    def _collect_routing(self, reqs: list[_Running], left_pad: list[int]) -> None:
+        """Append each asking request's routed-expert rows of the last forward pass."""
+        if not _wants_routing(reqs):
+            return
+        rows = self.router.rows(len(reqs))  # [batch, positions, layers, top_k]
+        for row, (req, pad) in enumerate(zip(reqs, left_pad, strict=True)):
+            if req.params.return_routed_experts:
+                req.routing.append(rows[row, pad:].clone())
 
     def _result(self, req: _Running, reason: FinishReason) -> GenerateResult:
         return GenerateResult(
@@ -248,6 +257,10 @@ class EmbeddedEngine:
             ),
             routed_experts_start=req.params.routed_experts_start,
         )
+
+
+def _wants_routing(reqs: list[_Running]) -> bool:
+    return any(r.params.return_routed_experts for r in reqs)
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:

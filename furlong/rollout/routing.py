@@ -14,7 +14,7 @@ import torch
 
 
 def find_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for name, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
 
 
 class RoutingRecorder:
@@ -29,8 +29,12 @@ class RoutingRecorder:
         return bool(self.routers)
 
     @contextmanager
-    def record(self) -> Iterator[RoutingRecorder]:
+    def record(self, enabled: bool = True) -> Iterator[RoutingRecorder]:
+        """Record the routers' choices during the block (nothing when ``enabled`` is False)."""
         self.layers = [torch.empty(0)] * len(self.routers)
+        if not enabled:
+            yield self
+            return
 
         def hook(index: int):
             def save(_module, _inputs, outputs) -> None:

@@ -84,7 +84,17 @@ def append_sampled(
     """Append model-sampled tokens (loss mask 1) with their log-probs and kept sets.
 
     A mask may be started only on an empty response; once started, every append brings one."""
-    toks, lps = _ints(tokens), _floats(logprobs)
+    toks = _ints(tokens)
+    return _append(sample, toks, _floats(logprobs), sampling_mask, torch.ones(toks.numel()))
+
+
+def _append(
+    sample: Sample,
+    toks: torch.Tensor,
+    lps: torch.Tensor,
+    sampling_mask: SamplingMask | None,
+    loss_mask: torch.Tensor,
+) -> Sample:
     if lps.numel() != toks.numel():
         raise InputError(f"append: {toks.numel()} tokens but {lps.numel()} log-probs")
     mask = sample.sampling_mask
@@ -105,7 +115,7 @@ def append_sampled(
     return sample.replace(
         tokens=torch.cat([sample.tokens, toks]),
         response_length=sample.response_length + toks.numel(),
-        loss_mask=torch.cat([sample.loss_mask, torch.ones(toks.numel())]),
+        loss_mask=torch.cat([sample.loss_mask, loss_mask]),
         rollout_logprobs=torch.cat([sample.rollout_logprobs, lps]),
         sampling_mask=mask,
         routed_experts=None,
@@ -120,9 +130,8 @@ def append_forced(
     tracking on an empty response)."""
     toks = _ints(tokens)
     tracking = sample.sampling_mask is not None if track_mask is None else track_mask
-    return append_sampled(
-        sample, toks, torch.zeros(toks.numel()), SamplingMask.singletons(toks) if tracking else None
-    ).replace(loss_mask=torch.cat([sample.loss_mask, torch.zeros(toks.numel())]))
+    mask = SamplingMask.singletons(toks) if tracking else None
+    return _append(sample, toks, torch.zeros(toks.numel()), mask, torch.zeros(toks.numel()))
 
 
 def truncate_response(sample: Sample, n: int) -> Sample:
@@ -155,11 +164,14 @@ def merge_turns(first: Sample, second: Sample) -> Sample:
         raise InputError("merge: either every turn carries a sampling mask or none does")
     observation = second.tokens[n_first : second.prompt_length]
     with_observation = append_forced(first, observation)
-    merged = append_sampled(
-        with_observation, second.response, second.rollout_logprobs, second.sampling_mask
+    merged = _append(
+        with_observation,
+        second.response.clone(),
+        second.rollout_logprobs.clone(),
+        second.sampling_mask,
+        second.loss_mask.clone(),  # keeps turn 2's own environment tokens at 0
     )
     return merged.replace(
-        loss_mask=torch.cat([with_observation.loss_mask, second.loss_mask]),  # keep 0s of turn 2
         reward=second.reward if second.reward is not None else first.reward,
         routed_experts=second.routed_experts,
         weight_version=second.weight_version,

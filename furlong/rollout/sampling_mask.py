@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from furlong.csr import row_contains
 from furlong.errors import InputError
 
 
@@ -126,11 +127,7 @@ class SamplingMask:
         tok = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
         if tok.numel() != len(self):
             raise InputError(f"SamplingMask.contains: need {len(self)} tokens, got {tok.numel()}")
-        row_of = torch.repeat_interleave(
-            torch.arange(len(self)), self._offsets[1:] - self._offsets[:-1]
-        )
-        hit = self._ids.to(torch.int64) == tok[row_of]
-        return torch.zeros(len(self), dtype=torch.bool).index_put_((row_of,), hit, accumulate=True)
+        return row_contains(self._ids, self._offsets, tok)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SamplingMask):

@@ -102,7 +102,7 @@ def read_training_state(path: str | os.PathLike) -> tuple[dict, dict, dict]:
     return load_file(str(files[0])), load_file(str(files[1])), meta
 
 
-def check_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], aliases: dict):
+def check_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     expected, _ = _model_tensors(model)
     if set(expected) != set(tensors):
         missing, extra = set(expected) - set(tensors), set(tensors) - set(expected)

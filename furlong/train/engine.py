@@ -262,7 +262,7 @@ class TrainingEngine:
     def load_state(self, path: str | os.PathLike, optimizer: bool = True) -> None:
         """Restore weights (and optimizer state): continuation is bit-identical."""
         tensors, opt_tensors, meta = ckpt.read_training_state(path)
-        ckpt.check_model_tensors(self.model, tensors, meta["aliases"])
+        ckpt.check_model_tensors(self.model, tensors)
         opt_state = (
             ckpt.optimizer_state_dict(meta, opt_tensors, self.param_names) if optimizer else None
         )

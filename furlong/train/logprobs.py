@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from furlong.csr import row_contains, row_of
 from furlong.errors import InputError
 
 DEFAULT_CHUNK_SIZE = 256
@@ -51,10 +52,15 @@ def auto_chunk_size(vocab_size: int) -> int:
     return max(64, CHUNK_BYTES // (4 * max(1, vocab_size)))
 
 
+def _scales(temperature: float) -> bool:
+    """Whether ``temperature`` changes the logits (0 and 1 leave them as they are)."""
+    return temperature > 0 and temperature != 1.0
+
+
 def upcast(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """An fp32 *copy* of ``logits``, divided by ``temperature`` after the upcast."""
     z = logits.to(torch.float32, copy=True)
-    if temperature > 0 and temperature != 1.0:
+    if _scales(temperature):
         z = z / temperature
     return z
 
@@ -89,8 +95,19 @@ def _maybe_checkpoint(fn: Callable, *args: object, recompute: bool) -> object:
     return fn(*args)
 
 
-def _logprob_chunk(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    return log_softmax_gather(upcast(logits, temperature), targets)
+def _gather(z: torch.Tensor, targets: torch.Tensor, supports: RowSupports | None) -> torch.Tensor:
+    if supports is None:
+        return log_softmax_gather(z, targets)
+    return masked_log_softmax_gather(z, targets, supports.keep(z.shape[-1]))
+
+
+def _logprob_chunk(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    supports: RowSupports | None = None,
+) -> torch.Tensor:
+    return _gather(upcast(logits, temperature), targets, supports)
 
 
 def _entropy_chunk(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -104,10 +121,19 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     recompute: bool = True,
+    supports: RowSupports | None = None,
 ) -> torch.Tensor:
-    """fp32 log-probs of ``targets`` (``[R]`` or ``[R, K]``) under ``logits`` ``[R, V]``."""
+    """fp32 log-probs of ``targets`` (``[R]`` or ``[R, K]``) under ``logits`` ``[R, V]``;
+    ``supports`` renormalises masked rows over their kept set."""
     parts = [
-        _maybe_checkpoint(_logprob_chunk, logits[s], targets[s], temperature, recompute=recompute)
+        _maybe_checkpoint(
+            _logprob_chunk,
+            logits[s],
+            targets[s],
+            temperature,
+            None if supports is None else supports.chunk(s),
+            recompute=recompute,
+        )
         for s in chunk_slices(logits.shape[0], chunk_size)
     ]
     return torch.cat(parts)
@@ -120,13 +146,10 @@ def support_matrix(
 
     ``vocab_start`` selects a vocabulary shard ``[vocab_start, vocab_start + vocab_size)``;
     ids outside it are dropped."""
-    rows = offsets.numel() - 1
-    lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)
-    row_of = torch.repeat_interleave(torch.arange(rows, device=ids.device), lengths)
     local = ids.to(torch.int64) - vocab_start
     inside = (local >= 0) & (local < vocab_size)
-    keep = torch.zeros(rows, vocab_size, dtype=torch.bool, device=ids.device)
-    keep[row_of[inside], local[inside]] = True
+    keep = torch.zeros(offsets.numel() - 1, vocab_size, dtype=torch.bool, device=ids.device)
+    keep[row_of(offsets)[inside], local[inside]] = True
     return keep
 
 
@@ -139,31 +162,35 @@ def masked_log_softmax_gather(
     return torch.log_softmax(masked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+@dataclass(frozen=True)
+class RowSupports:
+    """Kept sets for some rows: ``masked`` ``[R]`` bool; CSR ``ids`` / ``offsets`` ``[R + 1]``
+    where unmasked rows have length 0 (full vocabulary)."""
+
+    masked: torch.Tensor
+    ids: torch.Tensor
+    offsets: torch.Tensor
+
+    def chunk(self, s: slice) -> RowSupports:
+        lo, hi = int(self.offsets[s.start]), int(self.offsets[s.stop])
+        return RowSupports(self.masked[s], self.ids[lo:hi], self.offsets[s.start : s.stop + 1] - lo)
+
+    def keep(self, vocab_size: int) -> torch.Tensor:
+        keep = support_matrix(vocab_size, self.ids, self.offsets)
+        return keep | ~self.masked.unsqueeze(-1)
+
+
 def check_targets_in_support(
     targets: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
 ) -> None:
     """Every sampled token must lie in its own row's kept set (CSR, no ``[R, V]`` matrix)."""
-    lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)
-    row_of = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    hits = torch.zeros(lengths.numel(), dtype=torch.int64)
-    hits.index_add_(0, row_of, (ids.to(torch.int64) == targets[row_of]).to(torch.int64))
-    if bool((hits == 0).any()):
-        row = int((hits == 0).nonzero()[0])
+    inside = row_contains(ids, offsets, targets)
+    if not bool(inside.all()):
+        row = int((~inside).nonzero()[0])
         raise InputError(
             f"sampling mask: position {row}: target token {int(targets[row])} is not in its "
             "kept-token set"
         )
-
-
-def _masked_chunk(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    ids: torch.Tensor,
-    offsets: torch.Tensor,
-    temperature: float,
-) -> torch.Tensor:
-    keep = support_matrix(logits.shape[-1], ids, offsets)
-    return masked_log_softmax_gather(upcast(logits, temperature), targets, keep)
 
 
 def masked_token_logprobs(
@@ -185,22 +212,15 @@ def masked_token_logprobs(
             f"sampling mask: {offsets.numel() - 1} positions for {logits.shape[0]} rows"
         )
     check_targets_in_support(targets, ids, offsets)
-    parts = []
-    for s in chunk_slices(logits.shape[0], chunk_size):
-        lo, hi = int(offsets[s.start]), int(offsets[s.stop])
-        chunk_ids, chunk_offsets = ids[lo:hi], offsets[s.start : s.stop + 1] - lo
-        parts.append(
-            _maybe_checkpoint(
-                _masked_chunk,
-                logits[s],
-                targets[s],
-                chunk_ids,
-                chunk_offsets,
-                temperature,
-                recompute=recompute,
-            )
-        )
-    return torch.cat(parts)
+    every_row = RowSupports(torch.ones(logits.shape[0], dtype=torch.bool), ids, offsets)
+    return token_logprobs(
+        logits,
+        targets,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        recompute=recompute,
+        supports=every_row,
+    )
 
 
 def shard_masked_stats(z_shard: torch.Tensor, keep_shard: torch.Tensor) -> torch.Tensor:
@@ -229,85 +249,17 @@ def token_entropy(
     return torch.cat(parts)
 
 
-@dataclass(frozen=True)
-class RowSupports:
-    """Kept sets for some rows: ``masked`` ``[R]`` bool; CSR ``ids`` / ``offsets`` ``[R + 1]``
-    where unmasked rows have length 0 (full vocabulary)."""
-
-    masked: torch.Tensor
-    ids: torch.Tensor
-    offsets: torch.Tensor
-
-    def chunk(self, s: slice) -> RowSupports:
-        lo, hi = int(self.offsets[s.start]), int(self.offsets[s.stop])
-        return RowSupports(self.masked[s], self.ids[lo:hi], self.offsets[s.start : s.stop + 1] - lo)
-
-    def keep(self, vocab_size: int) -> torch.Tensor:
-        keep = support_matrix(vocab_size, self.ids, self.offsets)
-        return keep | ~self.masked.unsqueeze(-1)
-
-
-def _masked_head_chunk(
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    masked: torch.Tensor,
-    ids: torch.Tensor,
-    offsets: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    temperature: float,
-    entropy: EntropyMode,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    z = upcast(head(hidden), temperature)
-    keep = RowSupports(masked, ids, offsets).keep(z.shape[-1])
-    logprobs = masked_log_softmax_gather(z, targets, keep)
-    if entropy == "none":
-        return logprobs, z.new_empty(0)
-    with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
-        return logprobs, entropy_kernel(z if entropy == "grad" else z.detach())
-
-
-def _masked_head_logprobs(
-    hidden: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    targets: torch.Tensor,
-    supports: RowSupports,
-    temperature: float,
-    chunk_size: int,
-    recompute: bool,
-    entropy: EntropyMode,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if targets.dim() != 1:
-        raise InputError("sampling masks: replay needs 1-D target_tokens")
-    lps, ents = [], []
-    for s in chunk_slices(hidden.shape[0], chunk_size):
-        part = supports.chunk(s)
-        lp, ent = _maybe_checkpoint(
-            _masked_head_chunk,
-            hidden[s],
-            targets[s],
-            part.masked,
-            part.ids,
-            part.offsets,
-            head,
-            temperature,
-            entropy,
-            recompute=recompute,
-        )
-        lps.append(lp)
-        ents.append(ent)
-    return torch.cat(lps), (torch.cat(ents) if entropy != "none" else None)
-
-
 def _head_chunk(
     hidden: torch.Tensor,
     targets: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
     temperature: float,
     entropy: EntropyMode,
+    supports: RowSupports | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     z = upcast(head(hidden), temperature)
-    logprobs = log_softmax_gather(z, targets)
-    if entropy == "grad":
+    logprobs = _gather(z, targets, supports)
+    if entropy == "grad":  # the entropy is always the full-vocabulary one
         return logprobs, entropy_kernel(z)
     if entropy == "metric":
         with torch.no_grad():
@@ -337,11 +289,9 @@ def head_logprobs(
     into one buffer (no ``[V, H]`` temporary per chunk); other heads (e.g. a LoRA-wrapped
     head) and a differentiable entropy take the generic checkpointed path.
     """
-    if supports is not None:
-        return _masked_head_logprobs(
-            hidden, head, targets, supports, temperature, chunk_size, recompute, entropy
-        )
-    if recompute and type(head) is nn.Linear and entropy != "grad":
+    if supports is not None and targets.dim() != 1:
+        raise InputError("sampling masks: replay needs 1-D target_tokens")
+    if supports is None and recompute and type(head) is nn.Linear and entropy != "grad":
         lp, ent = _LinearHeadLogprobs.apply(
             hidden, head.weight, head.bias, targets, temperature, chunk_size, entropy == "metric"
         )
@@ -349,7 +299,14 @@ def head_logprobs(
     lps, ents = [], []
     for s in chunk_slices(hidden.shape[0], chunk_size):
         lp, ent = _maybe_checkpoint(
-            _head_chunk, hidden[s], targets[s], head, temperature, entropy, recompute=recompute
+            _head_chunk,
+            hidden[s],
+            targets[s],
+            head,
+            temperature,
+            entropy,
+            None if supports is None else supports.chunk(s),
+            recompute=recompute,
         )
         lps.append(lp)
         ents.append(ent)
@@ -378,7 +335,7 @@ class _ChunkWorkspace:
         else:
             logits = torch.addmm(bias, hidden, weight.t(), out=out)
         z = logits if self.fp32 is self.logits else self.fp32[: len(out)].copy_(logits)
-        if temp > 0 and temp != 1.0:
+        if _scales(temp):
             z.div_(temp)
         return z
 
@@ -444,7 +401,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
             t = targets[s] if targets.dim() == 2 else targets[s].unsqueeze(-1)
             g2 = g if g.dim() == 2 else g.unsqueeze(-1)
             probs.mul_(-g2.sum(-1, keepdim=True)).scatter_add_(1, t, g2)
-            if temperature > 0 and temperature != 1.0:
+            if _scales(temperature):
                 probs.div_(temperature)
             grad_logits = work.in_model_dtype(probs)
             if grad_h is not None:
