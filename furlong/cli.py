@@ -1,4 +1,4 @@
-"""`furlong` command line: demo | init-model."""
+"""`furlong` command line: demo | init-model | rollout-server."""
 
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ def _init_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollout_server(args: argparse.Namespace) -> int:
+    from furlong.rollout.server import serve
+
+    serve(args.model, args.host, args.port, args.max_running, args.seed)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="furlong", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,6 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--out", required=True)
     init.add_argument("--seed", type=int, default=0)
     init.set_defaults(func=_init_model)
+
+    rollout = sub.add_parser(
+        "rollout-server", help="serve the embedded rollout engine over SGLang's HTTP protocol"
+    )
+    rollout.add_argument("--model", default="tiny-qwen3", help="preset name or local HF dir")
+    rollout.add_argument("--host", default="127.0.0.1")
+    rollout.add_argument("--port", type=int, default=30000)
+    rollout.add_argument("--max-running", type=int, default=32, help="batch slots")
+    rollout.add_argument("--seed", type=int, default=0, help="weights seed for a preset")
+    rollout.set_defaults(func=_rollout_server)
     return parser
 
 

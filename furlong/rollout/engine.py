@@ -7,60 +7,70 @@ batch; a leaving request is selected out and common left padding is trimmed. Eve
 token comes with its log-prob under the distribution actually sampled from and, on request,
 its kept set (a ``SamplingMask``).
 
-Not yet here (rollout issue): pause modes and the memory API.
+A worker thread runs the batch while there is work; callers submit requests and wait on
+futures, so ``pause``, ``update_weights`` and the memory calls can come from other threads
+(an HTTP front end, a trainer) and take effect between two decode steps.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from transformers import DynamicCache
 
 from furlong.errors import InputError
+from furlong.rollout import kv_cache
+from furlong.rollout.base import (
+    FinishReason,
+    GenerateResult,
+    MemoryTag,
+    PauseMode,
+    Weights,
+    check_pause_mode,
+    check_tags,
+    expand_params,
+)
 from furlong.rollout.routing import RoutingRecorder
 from furlong.rollout.sampling import Draw, SamplingParams, draw_batch, request_generator
 from furlong.rollout.sampling_mask import SamplingMask
 
-FinishReason = Literal["stop", "length", "abort"]
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    request_id: int
-    prompt_ids: list[int]
-    output_ids: list[int]  # the terminating token(s) included
-    output_logprobs: list[float]
-    finish_reason: FinishReason
-    sampling_mask: SamplingMask | None
-    weight_version: int
-    prompt_logprobs: list[float] | None = None  # raw model log-probs, NaN at position 0
-    top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token
-    # MoE: int32 [len(prompt + output) - 1 - start, layers, top_k]; row i = position start + i
-    routed_experts: torch.Tensor | None = None
-    routed_experts_start: int = 0
-
 
 @dataclass
-class _Running:
-    request_id: int
+class _Request:
+    request_id: int | str
     prompt: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]
     generator: torch.Generator
+    future: Future = field(default_factory=Future)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     kept: list[list[int]] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
     routing: list[torch.Tensor] = field(default_factory=list)  # [positions, layers, top_k] parts
+
+
+@dataclass
+class _Batch:
+    """The running requests and their shared state; only the worker touches it while it runs."""
+
+    running: list[_Request] = field(default_factory=list)
+    cache: Any = None  # DynamicCache over the running rows
+    mask: torch.Tensor | None = None  # [B, T] attention mask (left padding = 0)
+    logits: torch.Tensor | None = None  # [B, V] fp32, next-token logits of every running row
+
+    def clear(self) -> None:
+        self.running, self.cache, self.mask, self.logits = [], None, None, None
 
 
 class EmbeddedEngine:
@@ -71,131 +81,360 @@ class EmbeddedEngine:
         self.tokenizer = tokenizer
         self.max_running = max_running
         self.weight_version = 0
+        self.device = next(model.parameters()).device
         self.vocab_size = int(model.get_output_embeddings().out_features)
         eos = model.generation_config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self._ids = itertools.count()
         self.router = RoutingRecorder(model)
+        self.steps = 0  # batch steps run so far (progress, for monitoring and tests)
+        self._ids = itertools.count()
+        self._cond = threading.Condition()  # guards everything below
+        self._model_lock = threading.RLock()  # held while the model runs or its weights change
+        self._queue: deque[_Request] = deque()
+        self._batch = _Batch()
+        self._worker: threading.Thread | None = None
+        self._pause_request: PauseMode | None = None
+        self._to_abort: set[int] = set()  # id() of running requests to end at the boundary
+        self._paused = False
+        self._offloaded: set[MemoryTag] = set()
+        self._host_weights: dict[str, torch.Tensor] = {}  # while "weights" is offloaded
 
-    # ---------------------------------------------------------------- API
+    # ---------------------------------------------------------------- requests
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[GenerateResult]:
-        """Generate for every prompt (results in request order), batching continuously."""
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompts):
-            raise InputError(f"params: {len(plist)} for {len(prompts)} prompts")
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise InputError(f"prompts[{i}]: empty")
-            bad = [t for t in prompt if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise InputError(f"prompts[{i}]: token id {bad[0]} outside [0, {self.vocab_size})")
-        if any(p.return_routed_experts for p in plist) and not self.router.is_moe:
-            raise InputError("return_routed_experts: the model has no MoE routers")
-        queue = deque(
-            _Running(
-                request_id=next(self._ids),
-                prompt=[int(t) for t in prompt],
-                params=p,
-                stop_ids=self.eos_ids if p.stop_token_ids is None else frozenset(p.stop_token_ids),
-                generator=request_generator(p.seed),
-            )
-            for prompt, p in zip(prompts, plist, strict=True)
+        """Generate for every prompt (results in request order), batching continuously. The
+        whole request is validated before anything is queued. While the engine is paused or
+        offloaded, requests wait for ``resume`` / ``onload``."""
+        return [f.result() for f in self.submit_many(prompts, params)]
+
+    def submit_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        request_ids: Sequence[str] | None = None,
+    ) -> list[Future[GenerateResult]]:
+        """Validate every request, then queue them all; each future resolves when its request
+        finishes (or is aborted)."""
+        plist = expand_params(len(prompts), params)
+        ids = [None] * len(prompts) if request_ids is None else list(request_ids)
+        if len(ids) != len(prompts):
+            raise InputError(f"request_ids: {len(ids)} for {len(prompts)} prompts")
+        requests = [
+            self._request(i, p, sp, rid)
+            for i, (p, sp, rid) in enumerate(zip(prompts, plist, ids, strict=True))
+        ]
+        self._enqueue(requests)
+        return [r.future for r in requests]
+
+    def submit(
+        self, prompt: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> Future[GenerateResult]:
+        """Queue one request; the future resolves when it finishes (or is aborted)."""
+        ids = None if request_id is None else [request_id]
+        return self.submit_many([prompt], [params], ids)[0]
+
+    def abort(self, request_ids: Iterable[int | str] | None = None) -> int:
+        """End queued and running requests (all when ``request_ids`` is None) with finish
+        reason ``abort`` and their partial output, at the next step boundary. Returns how many
+        were found."""
+        wanted = None if request_ids is None else set(request_ids)
+        with self._cond:
+            hits = [
+                r
+                for r in [*self._queue, *self._batch.running]
+                if wanted is None or r.request_id in wanted
+            ]
+            ids = {id(r) for r in hits}
+            for request in [r for r in self._queue if id(r) in ids]:
+                self._queue.remove(request)
+                self._finish_aborted(request)
+            self._to_abort |= {id(r) for r in self._batch.running if id(r) in ids}
+            if self._worker is None:  # nobody is stepping the batch: leave it now
+                self._leave_aborted()
+            else:
+                while self._to_abort:
+                    self._cond.wait()
+            return len(hits)
+
+    def _finish_aborted(self, request: _Request) -> None:
+        request.future.set_result(self._result(request, "abort", self.weight_version))
+
+    def _leave_aborted(self) -> None:
+        """Finish the running requests marked for abort and select them out (``_cond`` held,
+        no step in progress)."""
+        if not self._to_abort:
+            return
+        batch = self._batch
+        keep = [i for i, r in enumerate(batch.running) if id(r) not in self._to_abort]
+        for request in batch.running:
+            if id(request) in self._to_abort:
+                self._finish_aborted(request)
+        if keep:
+            batch.cache, batch.mask = kv_cache.select(batch.cache, batch.mask, keep)
+            batch.logits = batch.logits[keep]
+            batch.running = [batch.running[i] for i in keep]
+        else:
+            batch.clear()
+        self._to_abort.clear()
+        self._cond.notify_all()
+
+    def _request(
+        self,
+        index: int,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> _Request:
+        if not isinstance(params, SamplingParams):
+            raise InputError(f"params[{index}]: expected SamplingParams, got {type(params)}")
+        if not prompt:
+            raise InputError(f"prompts[{index}]: empty")
+        bad = [t for t in prompt if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise InputError(f"prompts[{index}]: token id {bad[0]} outside [0, {self.vocab_size})")
+        if params.return_routed_experts and not self.router.is_moe:
+            raise InputError(f"params[{index}].return_routed_experts: the model has no MoE routers")
+        stop_ids = params.stop_token_ids
+        return _Request(
+            request_id=next(self._ids) if request_id is None else request_id,
+            prompt=[int(t) for t in prompt],
+            params=params,
+            stop_ids=self.eos_ids if stop_ids is None else frozenset(stop_ids),
+            generator=request_generator(params.seed),
         )
-        order = [r.request_id for r in queue]
-        done = {req.request_id: (req, reason) for req, reason in self._run(queue)}
-        return [self._result(*done[i]) for i in order]
+
+    def _enqueue(self, requests: list[_Request]) -> None:
+        with self._cond:
+            self._queue.extend(requests)
+            self._wake()
+
+    # ---------------------------------------------------------------- weights
 
     @torch.no_grad()
-    def update_weights(self, weights: Mapping[str, torch.Tensor] | str | os.PathLike) -> int:
+    def update_weights(self, weights: Weights, version: int | None = None) -> int:
         """Publish new weights (a state dict in process, or a safetensors file / HF directory
-        across processes). Every name and shape is checked before any copy; returns the new
-        weight version, which every later result carries."""
+        across processes). Every name and shape is checked before any copy; the copy happens
+        between two decode steps (pause first to control what in-flight requests see).
+        Returns the new weight version (``version`` or the old one + 1), which every result
+        finished afterwards carries."""
         if isinstance(weights, str | os.PathLike):
             path = Path(weights)
             files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
             if not files or not all(f.is_file() for f in files):
                 raise InputError(f"update_weights: no safetensors file at {path}")
             weights = {k: v for f in files for k, v in load_file(str(f)).items()}
-        params = dict(self.model.named_parameters())
-        unknown = sorted(set(weights) - set(params))
-        if unknown:
-            raise InputError(f"update_weights: unknown tensors {unknown[:4]}")
-        for name, tensor in weights.items():
-            if tensor.shape != params[name].shape:
-                raise InputError(
-                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the engine's is {tuple(params[name].shape)}"
-                )
-        for name, tensor in weights.items():
-            params[name].copy_(tensor)
-        self.weight_version += 1
-        return self.weight_version
+        with self._model_lock:
+            targets = self._weight_targets()
+            unknown = sorted(set(weights) - set(targets))
+            if unknown:
+                raise InputError(f"update_weights: unknown tensors {unknown[:4]}")
+            for name, tensor in weights.items():
+                if tensor.shape != targets[name].shape:
+                    raise InputError(
+                        f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                        f"the engine's is {tuple(targets[name].shape)}"
+                    )
+            for name, tensor in weights.items():
+                targets[name].copy_(tensor)
+            self.weight_version = self.weight_version + 1 if version is None else int(version)
+            return self.weight_version
 
-    # ---------------------------------------------------------------- scheduler
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        if "weights" in self._offloaded:
+            return self._host_weights
+        return {name: p.data for name, p in self.model.named_parameters()}
 
-    @torch.no_grad()
-    def _run(self, queue: deque[_Running]):
-        running: list[_Running] = []
-        cache, mask, logits = None, None, None  # batch state: cache, [B, T] mask, [B, V]
-        while queue or running:
-            joining = []
-            while queue and len(running) + len(joining) < self.max_running:  # join
-                joining.append(queue.popleft())
-            if joining:  # one left-padded prefill for everyone joining at this step
-                new_cache, new_mask, new_logits = self._prefill(joining)
-                cache, mask = _merge(cache, mask, new_cache, new_mask)
-                logits = new_logits if logits is None else torch.cat([logits, new_logits])
-                running.extend(joining)
-            draws = draw_batch(logits, [r.params for r in running], [r.generator for r in running])
-            keep, last = [], []
-            for row, (req, d) in enumerate(zip(running, draws, strict=True)):  # one token each
-                reason = self._record(req, d)
-                if reason is None:
-                    keep.append(row)
-                    last.append(req.output[-1])
-                else:
-                    yield req, reason
-            if len(keep) < len(running):  # leave
-                running = [running[i] for i in keep]
-                if not running:
-                    cache, mask, logits = None, None, None
-                    continue
-                cache, mask = _select(cache, mask, keep)
-            logits, mask = self._decode(cache, mask, last, running)
+    # ---------------------------------------------------------------- pause / resume
 
-    def _record(self, req: _Running, d: Draw) -> FinishReason | None:
-        req.output.append(d.token)
-        req.logprobs.append(d.logprob)
+    def pause(self, mode: PauseMode = "retract") -> None:
+        """Stop generating at the next step boundary. ``abort``: in-flight and queued requests
+        end now with finish reason ``abort`` and their partial output; ``retract``: in-flight
+        requests go back to the queue, their prefix recomputed on resume; ``in_place``: they
+        are frozen with their KV cache and continue from it on resume. Returns once applied."""
+        mode = check_pause_mode(mode)
+        with self._cond:
+            if self._worker is None:
+                self._apply_pause(mode)
+                return
+            self._pause_request = mode
+            while self._pause_request is not None:
+                self._cond.wait()
+
+    def resume(self) -> None:
+        """Continue after :meth:`pause` (a no-op when not paused)."""
+        with self._cond:
+            self._paused = False
+            self._wake()
+
+    @property
+    def busy(self) -> bool:
+        """Requests are queued or in the batch (running or frozen)."""
+        return bool(self._queue or self._batch.running)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def _apply_pause(self, mode: PauseMode) -> None:
+        """Runs with ``_cond`` held and no step in progress."""
+        batch = self._batch
+        if mode == "abort":
+            for request in [*batch.running, *self._queue]:
+                self._finish_aborted(request)
+            self._queue.clear()
+            batch.clear()
+        elif mode == "retract":
+            for request in batch.running:
+                request.routing = []  # recomputed with the prefix
+            self._queue.extendleft(reversed(batch.running))
+            batch.clear()
+        self._pause_request, self._paused = None, True
+        self._cond.notify_all()
+
+    # ---------------------------------------------------------------- memory
+
+    def offload(self, tags: Iterable[MemoryTag]) -> None:
+        """Release memory for a colocated trainer: ``kv_cache`` (the cache of requests frozen by
+        an ``in_place`` pause moves to host memory) and ``weights`` (parameters move to host
+        memory; on CPU they are detached from the model). Generation waits until ``onload``.
+        Each tag must be onloaded before it is offloaded again."""
+        tags = check_tags(tags)
+        with self._cond:
+            again = [t for t in tags if t in self._offloaded]
+            if again:
+                raise InputError(f"offload: {again} already offloaded (onload first)")
+            if self._worker is not None:
+                raise InputError("offload: requests are running; pause() or wait for them first")
+            with self._model_lock:
+                if "kv_cache" in tags and self._batch.cache is not None:
+                    kv_cache.move(self._batch.cache, "cpu")
+                if "weights" in tags:
+                    for name, p in self.model.named_parameters():
+                        self._host_weights[name] = p.data.to("cpu")
+                        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                self._offloaded.update(tags)
+            _release_device_cache(self.device)
+
+    def onload(self, tags: Iterable[MemoryTag]) -> None:
+        """Bring back exactly what :meth:`offload` released."""
+        tags = check_tags(tags)
+        with self._cond:
+            missing = [t for t in tags if t not in self._offloaded]
+            if missing:
+                raise InputError(f"onload: {missing} not offloaded")
+            with self._model_lock:
+                if "weights" in tags:
+                    for name, p in self.model.named_parameters():
+                        p.data = self._host_weights.pop(name).to(self.device)
+                if "kv_cache" in tags and self._batch.cache is not None:
+                    kv_cache.move(self._batch.cache, self.device)
+                self._offloaded.difference_update(tags)
+            self._wake()
+
+    @property
+    def offloaded(self) -> frozenset[str]:
+        return frozenset(self._offloaded)
+
+    # ---------------------------------------------------------------- worker
+
+    def _wake(self) -> None:
+        """Start the worker if there is work it may do (``_cond`` held)."""
+        if self._worker is None and self._can_step():
+            self._worker = threading.Thread(target=self._serve, name="furlong-rollout", daemon=True)
+            self._worker.start()
+
+    def _can_step(self) -> bool:
+        return not (self._paused or self._offloaded) and bool(self._queue or self._batch.running)
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                self._leave_aborted()
+                if self._pause_request is not None:
+                    self._apply_pause(self._pause_request)
+                if not self._can_step():
+                    self._worker = None
+                    self._cond.notify_all()
+                    return
+                free = self.max_running - len(self._batch.running)
+                joining = [self._queue.popleft() for _ in range(min(free, len(self._queue)))]
+            try:
+                with self._model_lock, torch.inference_mode():
+                    finished = self._step(joining)
+            except Exception as exc:  # fail the requests in the batch, keep serving the rest
+                for request in {id(r): r for r in [*self._batch.running, *joining]}.values():
+                    request.future.set_exception(exc)
+                self._batch.clear()
+                continue
+            for request, reason, version in finished:
+                request.future.set_result(self._result(request, reason, version))
+
+    def _step(self, joining: list[_Request]) -> list[tuple[_Request, FinishReason, int]]:
+        """Prefill the joiners, draw one token for every running request, let finished ones
+        leave, and decode the rest (their next logits wait for the next step)."""
+        self.steps += 1
+        batch = self._batch
+        if joining:  # one left-padded prefill for everyone joining at this step
+            cache, mask, logits = self._prefill(joining)
+            batch.cache, batch.mask = kv_cache.merge(batch.cache, batch.mask, cache, mask)
+            batch.logits = logits if batch.logits is None else torch.cat([batch.logits, logits])
+            batch.running.extend(joining)
+        running = batch.running
+        draws = draw_batch(
+            batch.logits, [r.params for r in running], [r.generator for r in running]
+        )
+        keep, last, finished = [], [], []
+        for row, (request, d) in enumerate(zip(running, draws, strict=True)):
+            reason = self._record(request, d)
+            if reason is None:
+                keep.append(row)
+                last.append(request.output[-1])
+            else:
+                finished.append((request, reason, self.weight_version))
+        if not keep:
+            batch.clear()
+            return finished
+        if len(keep) < len(running):  # leave
+            batch.running = [running[i] for i in keep]
+            batch.cache, batch.mask = kv_cache.select(batch.cache, batch.mask, keep)
+        batch.logits, batch.mask = self._decode(batch.cache, batch.mask, last, batch.running)
+        return finished
+
+    def _record(self, request: _Request, d: Draw) -> FinishReason | None:
+        request.output.append(d.token)
+        request.logprobs.append(d.logprob)
         if d.kept is not None:
-            req.kept.append(d.kept.tolist())
+            request.kept.append(d.kept.tolist())
         if d.top:
-            req.top.append(list(d.top))
-        if d.token in req.stop_ids:
+            request.top.append(list(d.top))
+        if d.token in request.stop_ids:
             return "stop"
-        if req.params.stop and self._hits_stop_string(req):
+        if request.params.stop and self._hits_stop_string(request):
             return "stop"
-        if len(req.output) >= req.params.max_tokens:
+        if len(request.output) >= request.params.max_tokens:
             return "length"
         return None
 
-    def _hits_stop_string(self, req: _Running) -> bool:
+    def _hits_stop_string(self, request: _Request) -> bool:
         """A stop string that ends in the newest token. Earlier text was checked at earlier
         steps, so only a tail is decoded: a string of L characters spans at most 4L byte-level
         tokens (plus one that may end it)."""
-        longest = max(map(len, req.params.stop))
-        text = self.tokenizer.decode(req.output[-(4 * longest + 1) :])
-        return any(s in text for s in req.params.stop)
+        longest = max(map(len, request.params.stop))
+        text = self.tokenizer.decode(request.output[-(4 * longest + 1) :])
+        return any(s in text for s in request.params.stop)
 
-    def _prefill(self, joining: list[_Running]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-        prompts = [r.prompt for r in joining]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        want_prompt = [r.params.prompt_logprobs for r in joining]
-        cache = DynamicCache(config=self.model.config)
+    def _prefill(self, joining: list[_Request]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """Prefill prompt + output so far (a retracted request recomputes its prefix)."""
+        seqs = [r.prompt + r.output for r in joining]
+        width = max(map(len, seqs))
+        ids = torch.tensor([[0] * (width - len(s)) + s for s in seqs], device=self.device)
+        mask = torch.tensor(
+            [[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device
+        )
+        want_prompt = [r.params.prompt_logprobs and r.prompt_logprobs is None for r in joining]
+        cache = kv_cache.new_cache(self.model.config)
         with self.router.record(_wants_routing(joining)):
             out = self.model(
                 input_ids=ids,
@@ -205,99 +444,71 @@ class EmbeddedEngine:
                 use_cache=True,
                 logits_to_keep=0 if any(want_prompt) else 1,
             )
-        self._collect_routing(joining, [width - len(p) for p in prompts])
-        for row, req in enumerate(joining):
-            if want_prompt[row]:
-                n = len(req.prompt)
+        self._collect_routing(joining, [width - len(s) for s in seqs])
+        for row, request in enumerate(joining):
+            if want_prompt[row]:  # first prefill: the sequence is the prompt
+                n = len(request.prompt)
                 logp = torch.log_softmax(out.logits[row, width - n : -1].float(), dim=-1)
-                picked = logp.gather(-1, torch.tensor(req.prompt[1:]).unsqueeze(-1)).squeeze(-1)
-                req.prompt_logprobs = [float("nan")] + picked.tolist()
+                target = torch.tensor(request.prompt[1:], device=self.device).unsqueeze(-1)
+                picked = logp.gather(-1, target).squeeze(-1)
+                request.prompt_logprobs = [float("nan")] + picked.tolist()
         return cache, mask, out.logits[:, -1].float()
 
     def _decode(
-        self, cache: DynamicCache, mask: torch.Tensor, last: list[int], running: list[_Running]
+        self, cache: Any, mask: torch.Tensor, last: list[int], running: list[_Request]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = torch.cat([mask, torch.ones(len(last), 1, dtype=mask.dtype)], dim=1)
-        positions = mask.sum(1, keepdim=True) - 1
+        mask = torch.cat([mask, mask.new_ones(len(last), 1)], dim=1)
         with self.router.record(_wants_routing(running)):
             out = self.model(
-                input_ids=torch.tensor(last).unsqueeze(1),
+                input_ids=torch.tensor(last, device=self.device).unsqueeze(1),
                 attention_mask=mask,
-                position_ids=positions,
+                position_ids=mask.sum(1, keepdim=True) - 1,
                 cache=cache,
                 use_cache=True,
             )
         self._collect_routing(running, [0] * len(running))
         return out.logits[:, -1].float(), mask
 
-    def _collect_routing(self, reqs: list[_Running], left_pad: list[int]) -> None:
+    def _collect_routing(self, requests: list[_Request], left_pad: list[int]) -> None:
         """Append each asking request's routed-expert rows of the last forward pass."""
-        if not _wants_routing(reqs):
+        if not _wants_routing(requests):
             return
-        rows = self.router.rows(len(reqs))  # [batch, positions, layers, top_k]
-        for row, (req, pad) in enumerate(zip(reqs, left_pad, strict=True)):
-            if req.params.return_routed_experts:
-                req.routing.append(rows[row, pad:].clone())
+        rows = self.router.rows(len(requests))  # [batch, positions, layers, top_k]
+        for row, (request, pad) in enumerate(zip(requests, left_pad, strict=True)):
+            if request.params.return_routed_experts:
+                request.routing.append(rows[row, pad:].cpu())
 
-    def _result(self, req: _Running, reason: FinishReason) -> GenerateResult:
+    def _result(self, request: _Request, reason: FinishReason, version: int) -> GenerateResult:
+        params = request.params
+        routed = None
+        if params.return_routed_experts:
+            # an aborted request has also fed its last token; rows stop before it
+            end = len(request.prompt) + len(request.output) - 1
+            rows = torch.cat(request.routing)[:end] if request.routing else self._no_rows()
+            routed = rows[params.routed_experts_start :].to(torch.int32, copy=True)
         return GenerateResult(
-            request_id=req.request_id,
-            prompt_ids=req.prompt,
-            output_ids=req.output,
-            output_logprobs=req.logprobs,
+            request_id=request.request_id,
+            prompt_ids=request.prompt,
+            output_ids=list(request.output),
+            output_logprobs=list(request.logprobs),
             finish_reason=reason,
-            sampling_mask=SamplingMask.from_lists(req.kept) if req.kept else None,
-            weight_version=self.weight_version,
-            prompt_logprobs=req.prompt_logprobs,
-            top_logprobs=req.top if req.params.top_logprobs else None,
-            routed_experts=(
-                torch.cat(req.routing)[req.params.routed_experts_start :]
-                if req.params.return_routed_experts
-                else None
-            ),
-            routed_experts_start=req.params.routed_experts_start,
+            sampling_mask=SamplingMask.from_lists(request.kept) if request.kept else None,
+            weight_version=version,
+            prompt_logprobs=request.prompt_logprobs,
+            top_logprobs=list(request.top) if params.top_logprobs else None,
+            routed_experts=routed,
+            routed_experts_start=params.routed_experts_start,
         )
 
-
-def _wants_routing(reqs: list[_Running]) -> bool:
-    return any(r.params.return_routed_experts for r in reqs)
-
-
-def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    pad = width - t.shape[dim]
-    if pad == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = pad
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
+    def _no_rows(self) -> torch.Tensor:
+        top_k = getattr(self.model.config, "num_experts_per_tok", 0)
+        return torch.empty(0, len(self.router.routers), top_k, dtype=torch.int32)
 
 
-def _merge(
-    cache: DynamicCache | None,
-    mask: torch.Tensor | None,
-    new: DynamicCache,
-    new_mask: torch.Tensor,
-) -> tuple[DynamicCache, torch.Tensor]:
-    """Append prefilled requests' cache rows to the batch, left-padding to a common width."""
-    if cache is None or mask is None:
-        return new, new_mask
-    width = max(mask.shape[1], new_mask.shape[1])
-    for layer, joining in zip(cache.layers, new.layers, strict=True):
-        layer.keys = torch.cat([_left_pad(layer.keys, width, 2), _left_pad(joining.keys, width, 2)])
-        layer.values = torch.cat(
-            [_left_pad(layer.values, width, 2), _left_pad(joining.values, width, 2)]
-        )
-    return cache, torch.cat([_left_pad(mask, width, 1), _left_pad(new_mask, width, 1)])
+def _wants_routing(requests: list[_Request]) -> bool:
+    return any(r.params.return_routed_experts for r in requests)
 
 
-def _select(
-    cache: DynamicCache, mask: torch.Tensor, rows: list[int]
-) -> tuple[DynamicCache, torch.Tensor]:
-    """Keep ``rows`` of the batch and trim left padding no remaining row needs."""
-    index = torch.tensor(rows)
-    mask = mask[index]
-    lead = int((mask.cumsum(1) == 0).sum(1).min())
-    for layer in cache.layers:
-        layer.keys = layer.keys[index, :, lead:]
-        layer.values = layer.values[index, :, lead:]
-    return cache, mask[:, lead:]
+def _release_device_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

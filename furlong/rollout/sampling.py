@@ -99,14 +99,16 @@ def kept_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
         in_p = (mass_before < top_p.unsqueeze(-1)) | (ranks == 0)  # smallest prefix >= top_p
         keep = torch.zeros_like(keep).scatter_(1, order, in_k & in_p)
-    logp = torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     if bool((min_p > 0).any()):
+        logp = torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
         floor = logp.amax(-1, keepdim=True) + torch.log(min_p).unsqueeze(-1)
         keep &= logp >= floor
     if bool(greedy.any()):
         argmax = torch.zeros_like(keep).scatter_(1, z.argmax(-1, keepdim=True), True)
         keep = torch.where(greedy.unsqueeze(-1), argmax, keep)
+    if bool(keep.all()):  # nothing truncated: skip the masking pass
+        return torch.log_softmax(z, dim=-1)
     return torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
 
 
@@ -122,15 +124,15 @@ def draw_batch(
     index = torch.arange(logp.shape[1])
     eligible = torch.isfinite(logp) & (index <= tokens.clamp(max=logp.shape[1] - 1).unsqueeze(-1))
     tokens = torch.where(eligible, index, -1).amax(-1)
-    chosen = logp.gather(1, tokens.unsqueeze(-1)).squeeze(-1)
+    chosen = logp.gather(1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
     draws = []
-    for row, p in enumerate(params):
+    for row, (p, token) in enumerate(zip(params, tokens.tolist(), strict=True)):
         kept = torch.isfinite(logp[row]).nonzero().squeeze(-1) if p.return_sampling_mask else None
         top: tuple[tuple[int, float], ...] = ()
         if p.top_logprobs:
             values, ids = torch.topk(logp[row], min(p.top_logprobs, logp.shape[1]))
-            top = tuple((int(i), float(v)) for i, v in zip(ids, values, strict=True))
-        draws.append(Draw(int(tokens[row]), float(chosen[row]), kept, top))
+            top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+        draws.append(Draw(token, chosen[row], kept, top))
     return draws
 
 

@@ -95,7 +95,9 @@ def test_microbatch_budget_never_changes_results(loss_fn: str) -> None:
         assert result.metrics["loss:sum"] == pytest.approx(ref.metrics["loss:sum"], rel=1e-6)
         for a, b in zip(ref.outputs, result.outputs, strict=True):
             torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=1e-6, rtol=0)
-        assert_close_dicts(ref_grads, g)
+        # gradients are fp32 sums over a different number of microbatches; the kernels picked
+        # for each shape differ by CPU, so allow a few ulps of the largest entry
+        assert_close_dicts(ref_grads, g, rel=5e-6)
 
 
 def test_gradients_are_the_plain_sum_over_datums() -> None:

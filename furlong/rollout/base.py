@@ -1,0 +1,95 @@
+"""The rollout engine interface: what the RL loop, the session server and the HTTP front end
+need from an engine, whether it runs in process (:class:`EmbeddedEngine`) or behind SGLang's
+HTTP protocol (:class:`SGLangClient`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, get_args
+
+import torch
+
+from furlong.errors import InputError
+from furlong.rollout.sampling import SamplingParams
+from furlong.rollout.sampling_mask import SamplingMask
+
+FinishReason = Literal["stop", "length", "abort"]
+# abort: in-flight requests end now with their partial output; retract: they are requeued and
+# their prefix recomputed under the new weights; in_place: they are frozen with their KV cache.
+PauseMode = Literal["abort", "retract", "in_place"]
+MemoryTag = Literal["kv_cache", "weights"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+MEMORY_TAGS: tuple[str, ...] = get_args(MemoryTag)
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    request_id: int | str
+    prompt_ids: list[int]
+    output_ids: list[int]  # the terminating token(s) included
+    output_logprobs: list[float]  # under the distribution actually sampled from
+    finish_reason: FinishReason
+    sampling_mask: SamplingMask | None
+    weight_version: int  # of the weights the request finished under
+    prompt_logprobs: list[float] | None = None  # raw model log-probs, NaN at position 0
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token
+    # MoE: int32 [len(prompt + output) - 1 - start, layers, top_k]; row i = position start + i
+    routed_experts: torch.Tensor | None = None
+    routed_experts_start: int = 0
+
+
+Weights = Mapping[str, torch.Tensor] | str | os.PathLike
+
+
+class RolloutEngine(Protocol):
+    """Generation with sampling log-probs, weight publication, pausing and memory hand-off."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[GenerateResult]:
+        """Results in request order; blocks until every request has finished."""
+        ...
+
+    def update_weights(self, weights: Weights, version: int | None = None) -> int:
+        """Publish new weights; returns the new weight version."""
+        ...
+
+    def abort(self, request_ids: Iterable[int | str] | None = None) -> int: ...
+
+    def pause(self, mode: PauseMode = "retract") -> None: ...
+
+    def resume(self) -> None: ...
+
+    def offload(self, tags: Iterable[MemoryTag]) -> None: ...
+
+    def onload(self, tags: Iterable[MemoryTag]) -> None: ...
+
+
+def check_pause_mode(mode: str) -> PauseMode:
+    if mode not in PAUSE_MODES:
+        raise InputError(f"mode: {mode!r} is not one of {list(PAUSE_MODES)}")
+    return mode  # type: ignore[return-value]
+
+
+def check_tags(tags: Iterable[str]) -> list[MemoryTag]:
+    tags = [tags] if isinstance(tags, str) else list(tags)
+    if not tags:
+        raise InputError(f"tags: empty; expected some of {list(MEMORY_TAGS)}")
+    for i, tag in enumerate(tags):
+        if tag not in MEMORY_TAGS:
+            raise InputError(f"tags[{i}]: {tag!r} is not one of {list(MEMORY_TAGS)}")
+    return list(dict.fromkeys(tags))  # type: ignore[arg-type]
+
+
+def expand_params(
+    n: int, params: SamplingParams | Sequence[SamplingParams]
+) -> list[SamplingParams]:
+    plist = [params] * n if isinstance(params, SamplingParams) else list(params)
+    if len(plist) != n:
+        raise InputError(f"params: {len(plist)} for {n} prompts")
+    return plist

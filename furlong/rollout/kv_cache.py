@@ -1,0 +1,107 @@
+"""The running batch's KV cache: left-padded rows that requests join and leave.
+
+Each layer keeps its keys and values in a buffer with spare room along the sequence axis, so
+a decode step writes one position in place instead of concatenating the whole cache (what
+transformers' ``DynamicLayer`` does, and what the static ``generate`` baseline pays at every
+step). The layer is a ``DynamicLayer`` to transformers: ``keys``/``values`` are views of the
+filled part.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+_HEADROOM = 64  # positions of spare room after a (re)allocation, at least
+
+
+class GrowingLayer(DynamicLayer):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.assign(key_states, value_states)
+            return self.keys, self.values
+        filled, new = self.keys.shape[-2], key_states.shape[-2]
+        if filled + new > self._k.shape[-2]:
+            self.assign(self.keys, self.values, extra=new)
+        self._k[:, :, filled : filled + new] = key_states
+        self._v[:, :, filled : filled + new] = value_states
+        self.keys = self._k[:, :, : filled + new]
+        self.values = self._v[:, :, : filled + new]
+        return self.keys, self.values
+
+    def assign(self, keys: torch.Tensor, values: torch.Tensor, extra: int = 0) -> None:
+        """Replace the contents (copied into a fresh buffer with room to grow)."""
+        filled = keys.shape[-2]
+        room = filled + extra + max(_HEADROOM, filled // 2)
+        self._k = keys.new_empty(*keys.shape[:2], room, keys.shape[-1])
+        self._v = values.new_empty(*values.shape[:2], room, values.shape[-1])
+        self._k[:, :, :filled] = keys
+        self._v[:, :, :filled] = values
+        self.keys, self.values = self._k[:, :, :filled], self._v[:, :, :filled]
+        self.device, self.is_initialized = keys.device, True
+
+    def to(self, device: torch.device | str) -> None:
+        """Move the filled part (e.g. to host memory while the engine is offloaded)."""
+        if self.is_initialized:
+            self.assign(self.keys.to(device), self.values.to(device))
+
+
+def new_cache(config: PretrainedConfig) -> DynamicCache:
+    """A transformers cache whose full-attention layers grow in place."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(x) is DynamicLayer else x for x in cache.layers]
+    return cache
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    pad = width - t.shape[dim]
+    if pad == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def merge(
+    cache: DynamicCache | None, mask: torch.Tensor | None, new: DynamicCache, new_mask: torch.Tensor
+) -> tuple[DynamicCache, torch.Tensor]:
+    """Append prefilled rows to the batch, left-padding both to a common width."""
+    if cache is None or mask is None:
+        return new, new_mask
+    width = max(mask.shape[1], new_mask.shape[1])
+    for layer, joining in zip(cache.layers, new.layers, strict=True):
+        keys = torch.cat([_left_pad(layer.keys, width, 2), _left_pad(joining.keys, width, 2)])
+        values = torch.cat([_left_pad(layer.values, width, 2), _left_pad(joining.values, width, 2)])
+        _assign(layer, keys, values)
+    return cache, torch.cat([_left_pad(mask, width, 1), _left_pad(new_mask, width, 1)])
+
+
+def select(
+    cache: DynamicCache, mask: torch.Tensor, rows: list[int]
+) -> tuple[DynamicCache, torch.Tensor]:
+    """Keep ``rows`` of the batch and trim left padding no remaining row needs."""
+    index = torch.tensor(rows)
+    mask = mask[index]
+    lead = int((mask.cumsum(1) == 0).sum(1).min())
+    for layer in cache.layers:
+        _assign(layer, layer.keys[index, :, lead:], layer.values[index, :, lead:])
+    return cache, mask[:, lead:]
+
+
+def move(cache: DynamicCache, device: torch.device | str) -> None:
+    for layer in cache.layers:
+        if isinstance(layer, GrowingLayer):
+            layer.to(device)
+        elif layer.is_initialized:
+            layer.keys, layer.values = layer.keys.to(device), layer.values.to(device)
+
+
+def _assign(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    if isinstance(layer, GrowingLayer):
+        layer.assign(keys, values)
+    else:
+        layer.keys, layer.values = keys, values

@@ -1,0 +1,274 @@
+"""``furlong rollout-server``: the embedded engine behind SGLang's native HTTP protocol.
+
+Endpoints (SGLang's names and bodies): ``POST /generate``, ``GET /health``,
+``GET /health_generate``, ``GET /get_model_info``, ``GET /get_weight_version``,
+``GET /get_server_info``, ``POST /update_weights_from_disk``, ``POST /pause_generation``,
+``POST /continue_generation``, ``POST /release_memory_occupation``,
+``POST /resume_memory_occupation``, ``POST /flush_cache``, ``POST /abort_request``.
+Concurrent ``/generate`` calls join one running batch. Bad requests get HTTP 400 with
+``{"error": {"message": ...}}`` naming the field (SGLang's error shape), and nothing is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from furlong.errors import InputError
+from furlong.rollout import sglang_wire as wire
+from furlong.rollout.base import MEMORY_TAGS, check_tags
+from furlong.rollout.engine import EmbeddedEngine
+
+
+def _error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+async def _body(request: Request, required: bool = True) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        if required:
+            raise InputError("body: expected a JSON object")
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise InputError(f"body: not JSON ({e})") from e
+    if not isinstance(body, dict):
+        raise InputError(f"body: expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def create_app(engine: EmbeddedEngine, model_path: str = "") -> FastAPI:
+    app = FastAPI(title="furlong rollout server (SGLang protocol)")
+
+    @app.exception_handler(InputError)
+    async def _bad_input(_request: Request, exc: InputError) -> JSONResponse:
+        return _error(str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_schema(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(f"request: {exc.errors()}")
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Any:
+        body = await _body(request)
+        batch, prompts, params, rids = _parse_generate(engine, body)
+        start = time.perf_counter()
+        futures = engine.submit_many(prompts, params, rids)  # validates all, then queues
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        latency = time.perf_counter() - start
+        start_len = int(body.get("logprob_start_len", -1))
+        out = [
+            wire.response_body(
+                r,
+                engine.tokenizer.decode(r.output_ids),
+                _stop_ids(engine, p),
+                start_len,
+                latency,
+            )
+            for r, p in zip(results, params, strict=True)
+        ]
+        return out if batch else out[0]
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("")
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        top_k = getattr(engine.model.config, "num_experts_per_tok", None)
+        shape = [len(engine.router.routers), top_k] if engine.router.is_moe else None
+        return {
+            "model_path": model_path,
+            "tokenizer_path": model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(engine.weight_version),
+            "furlong": {
+                "vocab_size": engine.vocab_size,
+                "eos_token_ids": sorted(engine.eos_ids),
+                "routed_experts_shape": shape,
+            },
+        }
+
+    @app.get("/get_weight_version")
+    async def weight_version() -> dict:
+        return {"weight_version": str(engine.weight_version)}
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict:
+        return {
+            "model_path": model_path,
+            "max_running_requests": engine.max_running,
+            "paused": engine.paused,
+            "offloaded": sorted(engine.offloaded),
+            "weight_version": str(engine.weight_version),
+        }
+
+    @app.post("/update_weights_from_disk")
+    async def update_from_disk(request: Request) -> JSONResponse:
+        body = await _body(request)
+        path = body.get("model_path")
+        version = body.get("weight_version")
+        failure = None
+        if not isinstance(path, str) or not path:
+            failure = "model_path: expected a non-empty string"
+        elif version is not None and not str(version).lstrip("-").isdigit():
+            failure = f"weight_version: furlong versions are integers, got {version!r}"
+        if failure is None:
+            try:
+                if body.get("abort_all_requests"):
+                    await run_in_threadpool(engine.abort)
+                new = await run_in_threadpool(
+                    engine.update_weights, path, None if version is None else int(version)
+                )
+            except InputError as e:
+                failure = str(e)
+        if failure is not None:
+            return JSONResponse(
+                {"success": False, "message": failure, "num_paused_requests": 0}, 400
+            )
+        return JSONResponse(
+            {
+                "success": True,
+                "message": f"Succeeded to update model weights. Weight version {new}.",
+                "num_paused_requests": 0,
+            }
+        )
+
+    @app.post("/pause_generation")
+    async def pause(request: Request) -> dict:
+        body = await _body(request, required=False)
+        await run_in_threadpool(engine.pause, body.get("mode", "abort"))
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def resume(request: Request) -> dict:
+        await _body(request, required=False)
+        engine.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release(request: Request) -> None:
+        tags = _tags(await _body(request, required=False))
+        if tags:
+            await run_in_threadpool(engine.offload, tags)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory(request: Request) -> None:
+        tags = _tags(await _body(request, required=False))
+        if tags:
+            await run_in_threadpool(engine.onload, tags)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> PlainTextResponse:
+        # No prefix cache to flush; like SGLang, refuse while requests are in the engine.
+        if engine.busy:
+            return PlainTextResponse("Cache not flushed: requests are running.", 400)
+        return PlainTextResponse("Cache flushed.")
+
+    @app.post("/abort_request")
+    async def abort(request: Request) -> PlainTextResponse:
+        body = await _body(request)
+        if body.get("abort_all"):
+            await run_in_threadpool(engine.abort)
+        elif body.get("rid"):
+            await run_in_threadpool(engine.abort, [str(body["rid"])])
+        return PlainTextResponse("")
+
+    return app
+
+
+def _parse_generate(engine: EmbeddedEngine, body: dict) -> tuple[bool, list, list, list]:
+    """(is_batch, prompts, params, request ids) from a ``/generate`` body, all validated."""
+    if body.get("stream"):
+        raise InputError("stream: streaming is not supported by furlong's rollout server")
+    if body.get("logprob_start_len") is None:
+        body["logprob_start_len"] = -1
+    if not isinstance(body["logprob_start_len"], int):
+        raise InputError("logprob_start_len: expected an integer")
+    ids, text = body.get("input_ids"), body.get("text")
+    if (ids is None) == (text is None):
+        raise InputError("input_ids / text: give exactly one of them")
+    if text is not None:
+        batch = isinstance(text, list)
+        texts = text if batch else [text]
+        if not all(isinstance(t, str) for t in texts):
+            raise InputError("text: expected a string or a list of strings")
+        prompts = [engine.tokenizer(t)["input_ids"] for t in texts]
+    else:
+        if not isinstance(ids, list) or not ids:
+            raise InputError("input_ids: expected a non-empty list")
+        batch = isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        for i, p in enumerate(prompts):
+            name = f"input_ids[{i}]" if batch else "input_ids"
+            if not isinstance(p, list) or not p:
+                raise InputError(f"{name}: expected a non-empty list of integers")
+            for j, t in enumerate(p):
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise InputError(f"{name}[{j}]: expected an integer, got {t!r}")
+                if not 0 <= t < engine.vocab_size:
+                    raise InputError(f"{name}[{j}]: token id {t} outside [0, {engine.vocab_size})")
+    n = len(prompts)
+    sps = body.get("sampling_params")
+    if isinstance(sps, list):
+        if len(sps) != n:
+            raise InputError(f"sampling_params: {len(sps)} for {n} prompts")
+    else:
+        sps = [sps] * n
+    if body["logprob_start_len"] >= 0 and body.get("return_logprob"):
+        for i, p in enumerate(prompts):
+            if body["logprob_start_len"] >= len(p):
+                raise InputError(
+                    f"logprob_start_len: {body['logprob_start_len']} >= prompt length "
+                    f"{len(p)} of input_ids[{i}]"
+                )
+    where = (lambda i: f"sampling_params[{i}]") if batch else (lambda i: "sampling_params")
+    params = [wire.sampling_params(sp, body, engine.eos_ids, where(i)) for i, sp in enumerate(sps)]
+    rid = body.get("rid")
+    if rid is None:
+        base = uuid.uuid4().hex
+        rids = [f"{base}_{i}" for i in range(n)] if batch else [base]
+    elif isinstance(rid, list):
+        if len(rid) != n:
+            raise InputError(f"rid: {len(rid)} for {n} prompts")
+        rids = [str(r) for r in rid]
+    else:
+        rids = [f"{rid}_{i}" for i in range(n)] if batch else [str(rid)]
+    return batch, prompts, params, rids
+
+
+def _stop_ids(engine: EmbeddedEngine, params) -> frozenset[int]:
+    ids = params.stop_token_ids
+    return engine.eos_ids if ids is None else frozenset(ids)
+
+
+def _tags(body: dict) -> list[str]:
+    """SGLang's tags; ``null`` means all. ``cuda_graph`` has nothing to release here."""
+    tags = body.get("tags")
+    if not tags:  # null or []
+        return list(MEMORY_TAGS)
+    if not isinstance(tags, list):
+        raise InputError("tags: expected a list of strings or null")
+    kept = [t for t in tags if t != "cuda_graph"]
+    return check_tags(kept) if kept else []
+
+
+def serve(model: str, host: str, port: int, max_running: int, seed: int) -> None:
+    import uvicorn
+
+    from furlong.models import load_model
+
+    net, tokenizer = load_model(model, seed=seed)
+    engine = EmbeddedEngine(net, tokenizer, max_running=max_running)
+    uvicorn.run(create_app(engine, model), host=host, port=port, log_level="warning")
