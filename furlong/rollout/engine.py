@@ -7,9 +7,11 @@ batch; a leaving request is selected out and common left padding is trimmed. Eve
 token comes with its log-prob under the distribution actually sampled from and, on request,
 its kept set (a ``SamplingMask``).
 
-A worker thread runs the batch while there is work; callers submit requests and wait on
-futures, so ``pause``, ``update_weights`` and the memory calls can come from other threads
-(an HTTP front end, a trainer) and take effect between two decode steps.
+One driver at a time runs the batch: the thread calling :meth:`generate` when the engine is
+idle (so a trainer and the engine in one process share one intra-op thread pool; two pools
+contend on a small CPU), otherwise a worker thread started for requests from :meth:`submit`
+(an HTTP front end). ``pause``, ``update_weights``, ``abort`` and the memory calls may come
+from other threads and take effect between two steps.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import itertools
 import os
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,7 @@ from furlong.rollout.base import (
     check_tags,
     expand_params,
 )
+from furlong.rollout.fast_forward import FastForward
 from furlong.rollout.routing import RoutingRecorder
 from furlong.rollout.sampling import Draw, SamplingParams, draw_batch, request_generator
 from furlong.rollout.sampling_mask import SamplingMask
@@ -76,8 +79,17 @@ class _Batch:
 class EmbeddedEngine:
     """Rollout on an in-process HF model (the CPU default; also the tests' reference)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, max_running: int = 16):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        max_running: int = 16,
+        fast_forward: bool = True,
+    ):
+        """``fast_forward``: run dense Qwen3/Qwen2/Llama models through :class:`FastForward`
+        (same logits, less per-step overhead); other models always use the HF forward."""
         self.model = model.eval()
+        self._fast = FastForward(model) if fast_forward and FastForward.supports(model) else None
         self.tokenizer = tokenizer
         self.max_running = max_running
         self.weight_version = 0
@@ -92,7 +104,7 @@ class EmbeddedEngine:
         self._model_lock = threading.RLock()  # held while the model runs or its weights change
         self._queue: deque[_Request] = deque()
         self._batch = _Batch()
-        self._worker: threading.Thread | None = None
+        self._worker: threading.Thread | None = None  # the thread driving the batch, if any
         self._pause_request: PauseMode | None = None
         self._to_abort: set[int] = set()  # id() of running requests to end at the boundary
         self._paused = False
@@ -106,14 +118,23 @@ class EmbeddedEngine:
     ) -> list[GenerateResult]:
         """Generate for every prompt (results in request order), batching continuously. The
         whole request is validated before anything is queued. While the engine is paused or
-        offloaded, requests wait for ``resume`` / ``onload``."""
-        return [f.result() for f in self.submit_many(prompts, params)]
+        offloaded, requests wait for ``resume`` / ``onload``. When nothing else is driving the
+        batch, the calling thread does."""
+        futures = self.submit_many(prompts, params, _start_worker=False)
+        with self._cond:
+            drive = self._worker is None and self._can_step()
+            if drive:
+                self._worker = threading.current_thread()
+        if drive:
+            self._serve(until=lambda: all(f.done() for f in futures))
+        return [f.result() for f in futures]
 
     def submit_many(
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams],
         request_ids: Sequence[str] | None = None,
+        _start_worker: bool = True,
     ) -> list[Future[GenerateResult]]:
         """Validate every request, then queue them all; each future resolves when its request
         finishes (or is aborted)."""
@@ -125,7 +146,10 @@ class EmbeddedEngine:
             self._request(i, p, sp, rid)
             for i, (p, sp, rid) in enumerate(zip(prompts, plist, ids, strict=True))
         ]
-        self._enqueue(requests)
+        with self._cond:
+            self._queue.extend(requests)
+            if _start_worker:
+                self._wake()
         return [r.future for r in requests]
 
     def submit(
@@ -204,11 +228,6 @@ class EmbeddedEngine:
             stop_ids=self.eos_ids if stop_ids is None else frozenset(stop_ids),
             generator=request_generator(params.seed),
         )
-
-    def _enqueue(self, requests: list[_Request]) -> None:
-        with self._cond:
-            self._queue.extend(requests)
-            self._wake()
 
     # ---------------------------------------------------------------- weights
 
@@ -348,28 +367,38 @@ class EmbeddedEngine:
     def _can_step(self) -> bool:
         return not (self._paused or self._offloaded) and bool(self._queue or self._batch.running)
 
-    def _serve(self) -> None:
-        while True:
+    def _serve(self, until: Callable[[], bool] | None = None) -> None:
+        """Run steps while there is work (a calling thread: until ``until()`` holds, then any
+        remaining work goes to a worker thread)."""
+        try:
+            while True:
+                with self._cond:
+                    self._leave_aborted()
+                    if self._pause_request is not None:
+                        self._apply_pause(self._pause_request)
+                    if not self._can_step() or (until is not None and until()):
+                        self._worker = None
+                        self._wake()
+                        self._cond.notify_all()
+                        return
+                    free = self.max_running - len(self._batch.running)
+                    joining = [self._queue.popleft() for _ in range(min(free, len(self._queue)))]
+                try:
+                    with self._model_lock, torch.inference_mode():
+                        finished = self._step(joining)
+                except Exception as exc:  # fail the batch's requests, keep serving the rest
+                    for request in {id(r): r for r in [*self._batch.running, *joining]}.values():
+                        request.future.set_exception(exc)
+                    self._batch.clear()
+                    continue
+                for request, reason, version in finished:
+                    request.future.set_result(self._result(request, reason, version))
+        except BaseException:  # e.g. KeyboardInterrupt in a calling thread: release the batch
             with self._cond:
-                self._leave_aborted()
-                if self._pause_request is not None:
-                    self._apply_pause(self._pause_request)
-                if not self._can_step():
+                if self._worker is threading.current_thread():
                     self._worker = None
-                    self._cond.notify_all()
-                    return
-                free = self.max_running - len(self._batch.running)
-                joining = [self._queue.popleft() for _ in range(min(free, len(self._queue)))]
-            try:
-                with self._model_lock, torch.inference_mode():
-                    finished = self._step(joining)
-            except Exception as exc:  # fail the requests in the batch, keep serving the rest
-                for request in {id(r): r for r in [*self._batch.running, *joining]}.values():
-                    request.future.set_exception(exc)
-                self._batch.clear()
-                continue
-            for request, reason, version in finished:
-                request.future.set_result(self._result(request, reason, version))
+                self._cond.notify_all()
+            raise
 
     def _step(self, joining: list[_Request]) -> list[tuple[_Request, FinishReason, int]]:
         """Prefill the joiners, draw one token for every running request, let finished ones
@@ -436,38 +465,46 @@ class EmbeddedEngine:
         want_prompt = [r.params.prompt_logprobs and r.prompt_logprobs is None for r in joining]
         cache = kv_cache.new_cache(self.model.config)
         with self.router.record(_wants_routing(joining)):
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=0 if any(want_prompt) else 1,
-            )
+            positions = (mask.cumsum(1) - 1).clamp(min=0)
+            logits = self._forward(ids, mask, positions, cache, 0 if any(want_prompt) else 1)
         self._collect_routing(joining, [width - len(s) for s in seqs])
         for row, request in enumerate(joining):
             if want_prompt[row]:  # first prefill: the sequence is the prompt
                 n = len(request.prompt)
-                logp = torch.log_softmax(out.logits[row, width - n : -1].float(), dim=-1)
+                logp = torch.log_softmax(logits[row, width - n : -1].float(), dim=-1)
                 target = torch.tensor(request.prompt[1:], device=self.device).unsqueeze(-1)
                 picked = logp.gather(-1, target).squeeze(-1)
                 request.prompt_logprobs = [float("nan")] + picked.tolist()
-        return cache, mask, out.logits[:, -1].float()
+        return cache, mask, logits[:, -1].float()
 
     def _decode(
         self, cache: Any, mask: torch.Tensor, last: list[int], running: list[_Request]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         mask = torch.cat([mask, mask.new_ones(len(last), 1)], dim=1)
+        ids = torch.tensor(last, device=self.device).unsqueeze(1)
         with self.router.record(_wants_routing(running)):
-            out = self.model(
-                input_ids=torch.tensor(last, device=self.device).unsqueeze(1),
-                attention_mask=mask,
-                position_ids=mask.sum(1, keepdim=True) - 1,
-                cache=cache,
-                use_cache=True,
-            )
+            logits = self._forward(ids, mask, mask.sum(1, keepdim=True) - 1, cache, 1)
         self._collect_routing(running, [0] * len(running))
-        return out.logits[:, -1].float(), mask
+        return logits[:, -1].float(), mask
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        logits_to_keep: int,
+    ) -> torch.Tensor:
+        if self._fast is not None:
+            return self._fast(ids, mask, positions, cache, logits_to_keep)
+        return self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        ).logits
 
     def _collect_routing(self, requests: list[_Request], left_pad: list[int]) -> None:
         """Append each asking request's routed-expert rows of the last forward pass."""

@@ -52,10 +52,15 @@ def test_same_seed_same_tokens(setup) -> None:
     assert [r.output_ids for r in a] != [r.output_ids for r in c]
 
 
+@pytest.mark.parametrize("fast_forward", [True, False], ids=["fast", "hf"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_equal_teacher_forced_trainer_forward(setup, temperature: float) -> None:
+def test_logprobs_equal_teacher_forced_trainer_forward(
+    setup, temperature: float, fast_forward: bool
+) -> None:
     model, tokenizer, prompts = setup
-    results = EmbeddedEngine(model, tokenizer).generate(
+    engine = EmbeddedEngine(model, tokenizer, fast_forward=fast_forward)
+    assert (engine._fast is not None) == fast_forward
+    results = engine.generate(
         prompts[:3], never_stop(max_tokens=10, seed=1, temperature=temperature)
     )
     trainer = TrainingEngine(model, tokenizer)

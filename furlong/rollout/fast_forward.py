@@ -1,0 +1,186 @@
+"""A lean forward pass for dense Llama-style decoders (Qwen3, Qwen2, Llama), for rollout.
+
+On CPU with small models one HF forward step costs mostly fixed Python overhead: module
+``__call__`` machinery, output-capturing decorators, ``create_causal_mask``, the rotary table,
+RMSNorm as five ops. :class:`FastForward` runs the same ops in the same order straight from the
+model's parameters with ``torch.nn.functional``, so logits and cached keys/values equal the HF
+forward's (bit for bit on CPU in fp32 and bf16 when tested; SDPA kernels may differ elsewhere).
+
+Limits: inference only (no autograd: it runs under ``no_grad``; no dropout); only the exact
+module classes in ``_ARCH``, with SiLU, default RoPE and full attention on every layer
+(:meth:`supports` says no otherwise, e.g. MoE, sliding windows, scaled RoPE, LoRA-wrapped or
+hooked modules). Weights are read from the modules at every call, so in-place updates and
+``p.data`` swaps are seen; hooks registered after construction are not run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Cache
+from transformers.models.llama import modeling_llama as llama
+from transformers.models.qwen2 import modeling_qwen2 as qwen2
+from transformers.models.qwen3 import modeling_qwen3 as qwen3
+
+# causal LM class -> the (decoder layer, attention, MLP, RMSNorm) classes it must be built from
+_ARCH: dict[type, tuple[type, ...]] = {
+    getattr(m, f"{p}ForCausalLM"): tuple(
+        getattr(m, f"{p}{part}") for part in ("DecoderLayer", "Attention", "MLP", "RMSNorm")
+    )
+    for m, p in ((qwen3, "Qwen3"), (qwen2, "Qwen2"), (llama, "Llama"))
+}
+
+
+def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    return torch.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+def _linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
+    return F.linear(x, m.weight, m.bias)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # HF's x * cos + rotate_half(x) * sin, with rotate_half's sign folded into ``sin``; not
+    # addcmul, whose single rounding differs from HF's in bf16
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+class FastForward:
+    """``model(...).logits`` of a dense Qwen3/Qwen2/Llama causal LM, with less per-step overhead.
+
+    Call as ``ff(input_ids, attention_mask, position_ids, cache, logits_to_keep)``: the
+    arguments the engine gives the HF forward (left-padded ``attention_mask`` over past + new
+    positions). Returns logits ``[B, logits_to_keep or T, V]`` in the model dtype."""
+
+    def __init__(self, model: nn.Module):
+        if not self.supports(model):
+            raise ValueError(f"FastForward does not support {type(model).__name__}")
+        self.model = model
+        cfg = model.config
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = model.model.layers[0].self_attn.head_dim
+        self.scaling = model.model.layers[0].self_attn.scaling
+        # HF's rotary angles are positions * cat(inv_freq, inv_freq); rotate_half's sign is
+        # folded into sin. A buffer, not a weight (scaled/dynamic RoPE is refused).
+        inv_freq = model.model.rotary_emb.inv_freq.float()
+        self._inv_freq = torch.cat((inv_freq, inv_freq))
+        self._sign = torch.cat((-torch.ones_like(inv_freq), torch.ones_like(inv_freq)))
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """True when every module is one this pass reproduces exactly (otherwise keep using
+        the HF forward)."""
+        arch = _ARCH.get(type(model))
+        if arch is None:
+            return False
+        layer_cls, attn_cls, mlp_cls, norm_cls = arch
+        cfg, body = model.config, model.model
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        if (
+            cfg.hidden_act != "silu"
+            or rope.get("rope_type", "default") != "default"
+            or getattr(body.rotary_emb, "attention_scaling", 1.0) != 1.0
+            or 2 * body.rotary_emb.inv_freq.numel() != body.layers[0].self_attn.head_dim
+            or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ())
+            or not getattr(cfg, "is_causal", True)
+            or len(body.layers) != cfg.num_hidden_layers
+            or type(body.embed_tokens) is not nn.Embedding
+            or type(model.lm_head) is not nn.Linear
+            or type(body.norm) is not norm_cls
+        ):
+            return False
+        for layer in body.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+            linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            norms += [getattr(attn, n) for n in ("q_norm", "k_norm") if hasattr(attn, n)]
+            if (
+                type(layer) is not layer_cls
+                or type(attn) is not attn_cls
+                or type(mlp) is not mlp_cls
+                or any(type(m) is not nn.Linear for m in linears)
+                or any(type(m) is not norm_cls for m in norms)
+                or getattr(attn, "sliding_window", None) is not None
+            ):
+                return False
+        # Hooks (e.g. accelerate offloading) would be skipped.
+        return not any(
+            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in model.modules()
+        )
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Cache,
+        logits_to_keep: int = 1,
+    ) -> torch.Tensor:
+        if torch.is_grad_enabled():  # in-place ops below are not autograd-safe
+            with torch.no_grad():
+                return self._forward(input_ids, attention_mask, position_ids, cache, logits_to_keep)
+        return self._forward(input_ids, attention_mask, position_ids, cache, logits_to_keep)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Cache,
+        logits_to_keep: int,
+    ) -> torch.Tensor:
+        body = self.model.model
+        batch, new = input_ids.shape
+        heads, kv_heads, head_dim, scale = self.heads, self.kv_heads, self.head_dim, self.scaling
+        h = F.embedding(input_ids, body.embed_tokens.weight).view(batch * new, -1)
+        cos, sin = self._rotary(position_ids, h.dtype)
+        decode = new == 1
+        pad = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, past + new]
+        if decode:  # additive: SDPA converts a boolean mask again in every layer
+            mask = torch.zeros(pad.shape, dtype=h.dtype, device=h.device)
+            mask.masked_fill_(~pad, torch.finfo(h.dtype).min)
+        else:  # causal within the new positions, after all past ones
+            total = attention_mask.shape[1]
+            q_pos = torch.arange(total - new, total, device=h.device)
+            mask = pad & (q_pos[:, None] >= torch.arange(total, device=h.device))
+        for i, layer in enumerate(body.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            x = _rms(h, layer.input_layernorm)
+            q = _linear(x, attn.q_proj).view(batch, new, heads, head_dim)
+            k = _linear(x, attn.k_proj).view(batch, new, kv_heads, head_dim)
+            v = _linear(x, attn.v_proj).view(batch, new, kv_heads, head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rotary
+                q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2), i)
+            if decode:
+                # One query: its heads sharing a KV head become that head's query rows (what
+                # HF's pack_gqa does), so keys and values are never repeated.
+                q = q.view(batch, kv_heads, heads // kv_heads, head_dim)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+                o = o.reshape(batch, heads * head_dim)
+            else:
+                gqa = heads != kv_heads
+                q = q.transpose(1, 2)
+                o = F.scaled_dot_product_attention(q, k, v, mask, scale=scale, enable_gqa=gqa)
+                o = o.transpose(1, 2).reshape(batch * new, heads * head_dim)
+            h += _linear(o, attn.o_proj)
+            x = _rms(h, layer.post_attention_layernorm)
+            a = F.silu(_linear(x, mlp.gate_proj), inplace=True).mul_(_linear(x, mlp.up_proj))
+            h += _linear(a, mlp.down_proj)
+        h = h.view(batch, new, -1)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        return _linear(_rms(h, body.norm), self.model.lm_head)
+
+    def _rotary(
+        self, position_ids: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin ``[B, T, 1, head_dim]``, computed as HF does."""
+        if self._inv_freq.device != position_ids.device:
+            self._inv_freq = self._inv_freq.to(position_ids.device)
+            self._sign = self._sign.to(position_ids.device)
+        angles = position_ids[..., None, None].float() * self._inv_freq
+        return angles.cos().to(dtype), angles.sin().mul_(self._sign).to(dtype)

@@ -1,0 +1,129 @@
+"""FastForward: the lean decoder forward equals the HF forward (logits and KV cache) through a
+left-padded prefill and decode steps, refuses models it cannot run exactly, and never keeps
+stale copies of the weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config, Qwen3Config
+
+from furlong.models import load_model
+from furlong.rollout import kv_cache
+from furlong.rollout.fast_forward import FastForward
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LENGTHS = [9, 5, 12, 1]  # left padding in all rows but one, and a one-token row
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=128)
+GQA = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def _hf(model, ids, mask, pos, cache, keep: int = 1) -> torch.Tensor:
+    return model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=keep,
+    ).logits
+
+
+def _assert_same_as_hf(model, new_cache=kv_cache.new_cache, steps: int = 6) -> None:
+    """Prefill (all positions' logits), then decode steps, each against the HF forward with its
+    own cache; finally the two caches."""
+    fast = FastForward(model)
+    rows, width, vocab = len(LENGTHS), max(LENGTHS), model.config.vocab_size
+    ids = torch.randint(1, vocab, (rows, width))
+    mask = torch.tensor([[0] * (width - n) + [1] * n for n in LENGTHS])
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    ref_cache, fast_cache = new_cache(model.config), new_cache(model.config)
+    want = _hf(model, ids, mask, pos, ref_cache, keep=0)
+    got = fast(ids, mask, pos, fast_cache, logits_to_keep=0)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    real = mask.bool()  # padded positions' logits are unused
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=0)
+    for _ in range(steps):
+        mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+        pos = mask.sum(1, keepdim=True) - 1
+        ids = torch.randint(1, vocab, (rows, 1))
+        want = _hf(model, ids, mask, pos, ref_cache)
+        got = fast(ids, mask, pos, fast_cache)
+        assert got.shape == want.shape == (rows, 1, vocab)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for ref, ours in zip(ref_cache.layers, fast_cache.layers, strict=True):
+        assert ours.keys.shape[2] == width + steps
+        torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "small-qwen3"])
+@pytest.mark.parametrize(
+    "new_cache", [kv_cache.new_cache, lambda c: DynamicCache(config=c)], ids=["growing", "dynamic"]
+)
+def test_equals_hf_prefill_and_decode(name: str, new_cache) -> None:
+    model, _ = load_model(name)
+    assert FastForward.supports(model)
+    with torch.inference_mode():
+        _assert_same_as_hf(model, new_cache)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        # biases everywhere (o_proj and MLP too), tied embeddings, no q/k norm
+        LlamaConfig(**SMALL, **GQA, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+        Qwen2Config(**SMALL, **GQA),  # q/k/v biases
+        Qwen3Config(**SMALL, num_attention_heads=4, num_key_value_heads=4, head_dim=32),  # no GQA
+    ],
+    ids=["llama", "qwen2", "qwen3-mha"],
+)
+def test_other_dense_decoders_under_no_grad(config) -> None:
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # biases start at zero and norm weights at one
+            if p.dim() == 1:
+                p.normal_(1.0, 0.2)
+        _assert_same_as_hf(model, steps=3)
+
+
+def test_refuses_what_it_cannot_run_exactly() -> None:
+    moe, _ = load_model("tiny-qwen3-moe")
+    assert not FastForward.supports(moe)
+    with pytest.raises(ValueError):
+        FastForward(moe)
+    sliding = dict(use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    scaled = dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    for extra in ({}, sliding, scaled, dict(hidden_act="gelu")):
+        config = Qwen3Config(**SMALL, **GQA, **extra)
+        assert FastForward.supports(AutoModelForCausalLM.from_config(config)) == (not extra)
+    model, _ = load_model("tiny-qwen3")
+    model.model.layers[1].mlp.register_forward_hook(lambda *_: None)
+    assert not FastForward.supports(model)
+
+
+def test_reads_weights_at_call_time() -> None:
+    model, _ = load_model("tiny-qwen3")
+    fast = FastForward(model)
+    ids, mask = torch.randint(1, 700, (2, 5)), torch.ones(2, 5, dtype=torch.long)
+    pos = mask.cumsum(1) - 1
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        c = kv_cache.new_cache(model.config)
+        return fast(ids, mask, pos, c), _hf(model, ids, mask, pos, kv_cache.new_cache(model.config))
+
+    with torch.inference_mode():
+        before, _ = both()
+        # in place through .data, as EmbeddedEngine.update_weights does (no _version bump)
+        for p in model.parameters():
+            p.data.copy_(p.data * 1.5)
+        after, want = both()
+        assert not torch.allclose(after, before)
+        torch.testing.assert_close(after, want, atol=1e-5, rtol=0)
+        # the tensor behind a parameter swapped, as offload/onload does
+        q = model.model.layers[0].self_attn.q_proj
+        q.weight.data = torch.randn_like(q.weight)
+        swapped, want = both()
+        assert not torch.allclose(swapped, after)
+        torch.testing.assert_close(swapped, want, atol=1e-5, rtol=0)
