@@ -232,12 +232,16 @@ class EmbeddedEngine:
     # ---------------------------------------------------------------- weights
 
     @torch.no_grad()
-    def update_weights(self, weights: Weights, version: int | None = None) -> int:
+    def update_weights(
+        self, weights: Weights, version: int | None = None, *, final: bool = True
+    ) -> int:
         """Publish new weights (a state dict in process, or a safetensors file / HF directory
         across processes). Every name and shape is checked before any copy; the copy happens
         between two decode steps (pause first to control what in-flight requests see).
         Returns the new weight version (``version`` or the old one + 1), which every result
-        finished afterwards carries."""
+        finished afterwards carries. Bucketed publication: send the tensors in several calls
+        with ``final=False`` and the last with ``final=True``; only the last one moves the
+        version (each bucket is checked whole before it is copied)."""
         if isinstance(weights, str | os.PathLike):
             path = Path(weights)
             files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
@@ -257,7 +261,8 @@ class EmbeddedEngine:
                     )
             for name, tensor in weights.items():
                 targets[name].copy_(tensor)
-            self.weight_version = self.weight_version + 1 if version is None else int(version)
+            if final:
+                self.weight_version = self.weight_version + 1 if version is None else int(version)
             return self.weight_version
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:

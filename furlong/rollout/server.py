@@ -4,7 +4,8 @@ Endpoints (SGLang's names and bodies): ``POST /generate``, ``GET /health``,
 ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_weight_version``,
 ``GET /get_server_info``, ``POST /update_weights_from_disk``, ``POST /pause_generation``,
 ``POST /continue_generation``, ``POST /release_memory_occupation``,
-``POST /resume_memory_occupation``, ``POST /flush_cache``, ``POST /abort_request``.
+``POST /resume_memory_occupation``, ``POST /flush_cache``, ``POST /abort_request``; and
+furlong's ``POST /furlong/update_weights_bucket`` (bucketed weights as safetensors bytes).
 Concurrent ``/generate`` calls join one running batch. Bad requests get HTTP 400 with
 ``{"error": {"message": ...}}`` naming the field (SGLang's error shape), and nothing is queued.
 """
@@ -12,6 +13,7 @@ Concurrent ``/generate`` calls join one running batch. Bad requests get HTTP 400
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from typing import Any
@@ -20,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from safetensors.torch import load as safetensors_load
 
 from furlong.errors import InputError
 from furlong.rollout import sglang_wire as wire
@@ -144,6 +147,22 @@ def create_app(engine: EmbeddedEngine, model_path: str = "") -> FastAPI:
                 "num_paused_requests": 0,
             }
         )
+
+    @app.post("/furlong/update_weights_bucket")
+    async def update_bucket(
+        request: Request, final: bool = True, weight_version: int | None = None
+    ):
+        """furlong's bucketed publication across processes (SGLang's own tensor endpoint
+        carries CUDA-IPC handles): the body is one safetensors blob; ``final=false`` buckets
+        are copied without moving the weight version."""
+        try:
+            bucket = safetensors_load(await request.body())
+        except Exception as e:  # safetensors raises its own error types on bad bytes
+            raise InputError(f"body: not a safetensors payload ({e})") from e
+        new = await run_in_threadpool(
+            functools.partial(engine.update_weights, bucket, weight_version, final=final)
+        )
+        return {"success": True, "weight_version": str(new)}
 
     @app.post("/pause_generation")
     async def pause(request: Request) -> dict:

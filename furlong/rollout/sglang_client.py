@@ -3,9 +3,10 @@
 Points at ``furlong rollout-server`` or at a real SGLang server (``python -m
 sglang.launch_server ... --enable-return-routed-experts --enable-memory-saver``); switching is
 a base-URL change. Each prompt is its own ``/generate`` call, sent concurrently so the server
-batches them continuously. Weights cross processes as files: ``update_weights`` takes a
-safetensors file or an HF directory the server can read (a state dict is written to
-``staging_dir`` first, which must be shared with the server).
+batches them continuously. ``update_weights`` takes a safetensors file or an HF directory the
+server can read (``/update_weights_from_disk``), or a state dict: written to ``staging_dir``
+(a filesystem shared with the server; works with SGLang) or, without one, sent in buckets of
+``bucket_bytes`` over HTTP (furlong's server only).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 from furlong.errors import InputError
 from furlong.rollout import sglang_wire as wire
@@ -43,12 +44,14 @@ class SGLangClient:
         max_concurrency: int = 64,
         routed_experts_shape: tuple[int, int] | None = None,
         staging_dir: str | os.PathLike | None = None,
+        bucket_bytes: int = 64 << 20,
     ):
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-client")
         self._routing_shape = routed_experts_shape
         self._staging = Path(staging_dir) if staging_dir else None
+        self._bucket_bytes = bucket_bytes
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -112,15 +115,33 @@ class SGLangClient:
 
     def _update_from_tensors(self, weights: Mapping[str, Any], version: int | None) -> int:
         if self._staging is None:
-            raise InputError(
-                "update_weights: a state dict needs SGLangClient(staging_dir=...) on a "
-                "filesystem the server can read; or pass a safetensors file / HF directory"
-            )
+            return self._update_in_buckets(weights, version)
         self._staging.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self._staging) as tmp:
             path = Path(tmp) / "model.safetensors"
             save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(path))
             return self.update_weights(path, version)
+
+    def _update_in_buckets(self, weights: Mapping[str, Any], version: int | None) -> int:
+        buckets: list[dict[str, Any]] = [{}]
+        size = 0
+        for name, tensor in weights.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if buckets[-1] and size + nbytes > self._bucket_bytes:
+                buckets.append({})
+                size = 0
+            buckets[-1][name] = tensor.detach().contiguous().cpu()
+            size += nbytes
+        new = self.weight_version
+        for i, bucket in enumerate(buckets):
+            params: dict[str, Any] = {"final": str(i == len(buckets) - 1).lower()}
+            if version is not None:
+                params["weight_version"] = version
+            response = self._http.post(
+                "/furlong/update_weights_bucket", content=save(bucket), params=params
+            )
+            new = int(self._check(response, "update_weights")["weight_version"])
+        return new
 
     # ---------------------------------------------------------------- control
 
@@ -159,7 +180,10 @@ class SGLangClient:
         return response.json()
 
     def _post(self, path: str, body: dict, where: str) -> Any:
-        response = self._http.post(path, json=body)
+        return self._check(self._http.post(path, json=body), where)
+
+    def _check(self, response: httpx.Response, where: str) -> Any:
+        path = response.request.url.path
         if response.status_code == 400:  # the server names the bad field
             raise InputError(f"{where}: {_message(response)}")
         if response.status_code != 200:

@@ -25,7 +25,7 @@ from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sampling import SamplingParams
 from furlong.rollout.server import create_app
 from furlong.rollout.sglang_client import SGLangClient
-from tests.live_server import live_server
+from furlong.serving import background_server
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def served(one_thread):
     model, tokenizer = build_preset("tiny-qwen3", seed=0)
     engine = EmbeddedEngine(model, tokenizer, max_running=8)
-    with live_server(create_app(engine, "tiny-qwen3")) as url, SGLangClient(url) as client:
+    with background_server(create_app(engine, "tiny-qwen3")) as url, SGLangClient(url) as client:
         yield engine, client, url
 
 
@@ -88,7 +88,7 @@ def test_routed_experts_over_http_equal_the_engine(one_thread) -> None:
         SamplingParams(max_tokens=6, seed=0, return_routed_experts=True, stop_token_ids=()),
         SamplingParams(max_tokens=4, seed=1, return_routed_experts=True, routed_experts_start=5),
     ]
-    with live_server(create_app(engine)) as url, SGLangClient(url) as client:
+    with background_server(create_app(engine)) as url, SGLangClient(url) as client:
         ours = client.generate(prompts, params)
     theirs = local.generate(prompts, params)
     for a, b in zip(ours, theirs, strict=True):
@@ -191,7 +191,7 @@ def test_weights_published_across_the_process_boundary(tmp_path, one_thread) -> 
     save_hf_dir(trained, tokenizer, tmp_path / "step1")
     prompts = prompts_of(engine, 2)
     params = SamplingParams(max_tokens=6, seed=0, stop_token_ids=())
-    with live_server(create_app(engine)) as url:
+    with background_server(create_app(engine)) as url:
         client = SGLangClient(url, staging_dir=tmp_path / "staging")
         assert client.update_weights(tmp_path / "step1") == 1
         local.update_weights(tmp_path / "step1")
@@ -202,6 +202,16 @@ def test_weights_published_across_the_process_boundary(tmp_path, one_thread) -> 
         assert_same(client.generate(prompts, params), local.generate(prompts, params))
         assert not any((tmp_path / "staging").iterdir())  # staged files are removed
         client.close()
+
+        bucketed = SGLangClient(url, bucket_bytes=4096)  # no staging dir: HTTP buckets
+        state = {n: p.detach() * 0.25 for n, p in trained.named_parameters()}
+        assert bucketed.update_weights(state) == 11
+        local.update_weights(state)
+        assert_same(bucketed.generate(prompts, params), local.generate(prompts, params))
+        with pytest.raises(InputError, match="unknown tensors"):
+            bucketed.update_weights({"nope": torch.zeros(2)})
+        assert engine.weight_version == 11
+        bucketed.close()
 
 
 def test_pause_abort_and_memory_over_http(served) -> None:

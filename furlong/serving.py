@@ -1,4 +1,5 @@
-"""A real uvicorn server on 127.0.0.1 in a background thread, for tests of HTTP front ends."""
+"""Run an ASGI app (a furlong HTTP front end) on 127.0.0.1 in a background thread: for tests,
+notebooks and examples that want a real server without a second process."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import uvicorn
 
 
 @contextmanager
-def live_server(app) -> Iterator[str]:
+def background_server(app, host: str = "127.0.0.1") -> Iterator[str]:
     """Serve ``app`` on a free port; yields the base URL and shuts down afterwards."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))  # bound before the server starts: no port race
+    sock.bind((host, 0))  # bound before the server starts: no port race
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -23,10 +24,10 @@ def live_server(app) -> Iterator[str]:
     deadline = time.monotonic() + 30
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("test server did not start")
+            raise RuntimeError("server did not start")
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)
