@@ -1,4 +1,4 @@
-"""`furlong` command line: demo | init-model | rollout-server."""
+"""`furlong` command line: demo | init-model | rollout-server | serve."""
 
 from __future__ import annotations
 
@@ -33,6 +33,21 @@ def _rollout_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from furlong.server.main import serve
+
+    serve(
+        base_models=args.base_model or ["tiny-qwen3"],
+        host=args.host,
+        port=args.port,
+        state_dir=args.state_dir,
+        api_keys_file=args.api_keys_file,
+        full_finetune=args.full_finetune,
+        seed=args.seed,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="furlong", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,6 +74,22 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--max-running", type=int, default=32, help="batch slots")
     rollout.add_argument("--seed", type=int, default=0, help="weights seed for a preset")
     rollout.set_defaults(func=_rollout_server)
+
+    serve = sub.add_parser("serve", help="the Tinker-compatible training service")
+    serve.add_argument(
+        "--base-model",
+        action="append",
+        metavar="[NAME=]PRESET|DIR",
+        help="a served base model, repeatable; NAME is what clients ask for "
+        "(e.g. Qwen/Qwen3-8B-Base=tiny-qwen3); default: tiny-qwen3",
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--state-dir", default="furlong-state", help="checkpoints and runs")
+    serve.add_argument("--api-keys-file", help="one accepted key per line (default: any tml-*)")
+    serve.add_argument("--full-finetune", action="store_true", help="allow non-LoRA models")
+    serve.add_argument("--seed", type=int, default=0, help="weights seed for presets")
+    serve.set_defaults(func=_serve)
     return parser
 
 

@@ -2,11 +2,15 @@
 
 Layout of a checkpoint directory::
 
-    model.safetensors       the model's state dict (tied tensors stored once)
+    model.safetensors       kind "model": the model's state dict (tied tensors stored once);
+                            kind "params": only the trained parameters, keyed by the engine's
+                            names (e.g. one LoRA adapter, without the shared base weights)
     optimizer.safetensors   every tensor of the optimizer state, keyed "<param name>.<key>"
-    training_state.json     format, step, parameter order, param groups, scalar state
+    training_state.json     format, kind, step, parameter order, param groups, scalar state,
+                            and the caller's ``info`` (e.g. base model and LoRA config)
 
-Loading reads and checks everything before it changes the model or the optimizer.
+Format v1 (no kind, no info) is read as kind "model". Loading reads and checks everything
+before it changes the model or the optimizer.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +28,10 @@ from safetensors.torch import load_file, save_file
 from furlong.errors import InputError
 from furlong.models.loading import atomic_dir, publish_dir
 
-FORMAT = "furlong-train-state-v1"
+FORMAT = "furlong-train-state-v2"
+READABLE_FORMATS = ("furlong-train-state-v1", FORMAT)
+KIND_MODEL = "model"  # the whole state dict
+KIND_PARAMS = "params"  # a named subset of parameters
 
 
 def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -47,8 +55,19 @@ def save_training_state(
     optimizer: torch.optim.Optimizer,
     param_names: list[str],
     step: int,
+    *,
+    params: Sequence[torch.Tensor] | None = None,
+    info: Mapping[str, Any] | None = None,
 ) -> Path:
-    tensors, aliases = _model_tensors(model)
+    """``params`` given: store only those (kind "params"), else the whole model."""
+    if params is None:
+        tensors, aliases = _model_tensors(model)
+    else:
+        tensors = {
+            n: p.detach().contiguous().cpu().clone()
+            for n, p in zip(param_names, params, strict=True)
+        }
+        aliases = {}
     opt = optimizer.state_dict()
     opt_tensors: dict[str, torch.Tensor] = {}
     opt_scalars: dict[str, dict[str, Any]] = {}
@@ -66,6 +85,8 @@ def save_training_state(
     ]
     meta = {
         "format": FORMAT,
+        "kind": KIND_MODEL if params is None else KIND_PARAMS,
+        "info": dict(info or {}),
         "step": step,
         "param_names": param_names,
         "param_groups": groups,
@@ -97,13 +118,39 @@ def read_training_state(path: str | os.PathLike) -> tuple[dict, dict, dict]:
                 f"path: {root} is not a furlong training checkpoint ({f.name} missing)"
             )
     meta = json.loads(files[2].read_text())
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in READABLE_FORMATS:
         raise InputError(f"path: {root} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    meta.setdefault("kind", KIND_MODEL)
+    meta.setdefault("info", {})
     return load_file(str(files[0])), load_file(str(files[1])), meta
+
+
+def check_kind(meta: dict, kind: str) -> None:
+    if meta["kind"] != kind:
+        what = {KIND_MODEL: "a whole model", KIND_PARAMS: "a parameter subset (an adapter)"}
+        raise InputError(
+            f"checkpoint holds {what.get(meta['kind'], repr(meta['kind']))}, "
+            f"this model trains {what[kind]}"
+        )
+
+
+def check_info(meta: dict, expected: Mapping[str, Any]) -> None:
+    """Every key of ``expected`` must equal the saved ``info`` (JSON values: lists, not tuples)."""
+    for key, want in expected.items():
+        got = meta["info"].get(key)
+        if got != want:
+            raise InputError(f"checkpoint was saved for {key} {got!r}, this model has {want!r}")
 
 
 def check_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     expected, _ = _model_tensors(model)
+    check_tensors(expected, tensors)
+
+
+def check_tensors(
+    expected: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """Same names and shapes as ``expected``."""
     if set(expected) != set(tensors):
         missing, extra = set(expected) - set(tensors), set(tensors) - set(expected)
         raise InputError(
@@ -121,6 +168,13 @@ def check_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]
 def restore_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], aliases: dict) -> None:
     full = dict(tensors) | {alias: tensors[name] for alias, name in aliases.items()}
     model.load_state_dict(full, strict=True)
+
+
+def restore_params(
+    names: Sequence[str], params: Sequence[torch.Tensor], tensors: Mapping[str, torch.Tensor]
+) -> None:
+    for name, p in zip(names, params, strict=True):
+        p.copy_(tensors[name])
 
 
 def optimizer_state_dict(meta: dict, opt_tensors: dict[str, torch.Tensor], names: list[str]):

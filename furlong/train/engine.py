@@ -5,6 +5,11 @@
 Semantics are Tinker's: raw sums over tokens and datums (the caller owns normalization),
 gradients accumulate across calls until ``optim_step``, and ``forward`` is the same loss pass
 with backward switched off.
+
+An engine may train a named subset of the model's parameters (``trainable``, e.g. one LoRA
+adapter of a model shared with other engines): its optimizer, clipping, ``zero_grad`` and
+checkpoints then cover only that subset. Which adapter the shared model runs is the caller's
+business: activate it before every call.
 """
 
 from __future__ import annotations
@@ -49,7 +54,11 @@ class TrainingEngine:
     """Trains one causal LM. Every loss, log-prob and gradient of furlong goes through here."""
 
     def __init__(
-        self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        trainable: Sequence[tuple[str, torch.nn.Parameter]] | None = None,
     ):
         self.config = config or EngineConfig()
         self.model = model.to(self.config.device)
@@ -59,7 +68,11 @@ class TrainingEngine:
         if self.config.gradient_checkpointing:
             self.model.activation_checkpointing_enable({"use_reentrant": False})
         self.model.train()  # dropout is 0 in the supported families; one mode for both passes
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.subset = trainable is not None
+        if trainable is None:
+            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        else:
+            named = _check_trainable(self.model, trainable)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.optimizer = build_adamw(self.params)
@@ -253,21 +266,44 @@ class TrainingEngine:
 
     # ---------------------------------------------------------------- state
 
-    def save_state(self, path: str | os.PathLike) -> Path:
-        """Weights + optimizer state, atomically (temp dir + rename)."""
+    def save_state(self, path: str | os.PathLike, info: Mapping[str, Any] | None = None) -> Path:
+        """Weights (the trainable subset, or the whole model) + optimizer state, atomically
+        (temp dir + rename). ``info``: JSON values stored alongside, checked by ``load_state``."""
         return ckpt.save_training_state(
-            path, self.model, self.optimizer, self.param_names, self.step
+            path,
+            self.model,
+            self.optimizer,
+            self.param_names,
+            self.step,
+            params=self.params if self.subset else None,
+            info=info,
         )
 
-    def load_state(self, path: str | os.PathLike, optimizer: bool = True) -> None:
-        """Restore weights (and optimizer state): continuation is bit-identical."""
+    def load_state(
+        self,
+        path: str | os.PathLike,
+        optimizer: bool = True,
+        expect_info: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Restore weights (and optimizer state): continuation is bit-identical.
+
+        Everything (kind, ``expect_info`` against the saved info, names, shapes) is checked
+        before anything changes."""
         tensors, opt_tensors, meta = ckpt.read_training_state(path)
-        ckpt.check_model_tensors(self.model, tensors)
+        ckpt.check_kind(meta, ckpt.KIND_PARAMS if self.subset else ckpt.KIND_MODEL)
+        ckpt.check_info(meta, expect_info or {})
+        if self.subset:
+            ckpt.check_tensors(dict(zip(self.param_names, self.params, strict=True)), tensors)
+        else:
+            ckpt.check_model_tensors(self.model, tensors)
         opt_state = (
             ckpt.optimizer_state_dict(meta, opt_tensors, self.param_names) if optimizer else None
         )
         with torch.no_grad():
-            ckpt.restore_model(self.model, tensors, meta["aliases"])
+            if self.subset:
+                ckpt.restore_params(self.param_names, self.params, tensors)
+            else:
+                ckpt.restore_model(self.model, tensors, meta["aliases"])
         self.optimizer = build_adamw(self.params)
         if opt_state is not None:
             self.optimizer.load_state_dict(opt_state)
@@ -278,3 +314,19 @@ class TrainingEngine:
         if self.tokenizer is None:
             raise InputError("export_hf: the engine has no tokenizer to export")
         return save_hf_dir(self.model, self.tokenizer, path)
+
+
+def _check_trainable(
+    model: torch.nn.Module, trainable: Sequence[tuple[str, torch.nn.Parameter]]
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """Unique names, unique parameters, all of them the model's own."""
+    named = list(trainable)
+    own = {id(p) for p in model.parameters()}
+    if not named:
+        raise ValueError("trainable: no parameters")
+    if len({n for n, _ in named}) != len(named) or len({id(p) for _, p in named}) != len(named):
+        raise ValueError("trainable: names and parameters must be unique")
+    stray = [n for n, p in named if id(p) not in own]
+    if stray:
+        raise ValueError(f"trainable: not parameters of the model: {stray[:5]}")
+    return named

@@ -1,0 +1,1 @@
+"""The Tinker-compatible training service (`furlong serve`)."""

@@ -1,0 +1,261 @@
+"""HTTP routes of ``furlong serve`` (Tinker's wire protocol under ``/api/v1``).
+
+Request bodies are parsed with the ``tinker`` SDK's own types (JSON) and its protobuf schema
+(``forward_backward``), so the schema cannot drift from the client. Submission errors are
+HTTP 400 with a JSON body naming the field; execution errors come back through the future
+(HTTP 200 ``{"error", "category"}``); another tenant's objects are 404; a missing or unknown
+key is 401.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+from tinker import types as tt
+
+from furlong.errors import InputError
+from furlong.server import proto
+from furlong.server.futures import Failure
+from furlong.server.service import NotFound, Service
+from furlong.server.state import owner_id
+
+log = logging.getLogger("furlong.serve")
+T = TypeVar("T", bound=pydantic.BaseModel)
+PREFIX = "/api/v1"
+
+
+class Unauthorized(Exception):
+    pass
+
+
+class TooLarge(Exception):
+    pass
+
+
+def create_app(
+    service: Service, api_keys: frozenset[str] | None = None, max_body_bytes: int = 256 << 20
+) -> FastAPI:
+    app = FastAPI(title="furlong (Tinker protocol)")
+
+    @app.exception_handler(InputError)
+    async def _bad_input(_r: Request, exc: InputError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.exception_handler(NotFound)
+    async def _not_found(_r: Request, exc: NotFound) -> JSONResponse:
+        return JSONResponse({"detail": f"not found: {exc.args[0]}"}, status_code=404)
+
+    @app.exception_handler(Unauthorized)
+    async def _unauthorized(_r: Request, exc: Unauthorized) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=401)
+
+    @app.exception_handler(TooLarge)
+    async def _too_large(_r: Request, exc: TooLarge) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=413)
+
+    def owner(request: Request) -> str:
+        key = request.headers.get("x-api-key", "")
+        if api_keys is not None:
+            if key not in api_keys:
+                raise Unauthorized("X-API-Key: unknown key")
+        elif not key.startswith("tml-"):
+            raise Unauthorized("X-API-Key: expected a tml-... key")
+        return owner_id(key)
+
+    async def raw(request: Request) -> bytes:
+        body = await request.body()
+        if len(body) > max_body_bytes:
+            raise TooLarge(f"body: {len(body)} bytes; the limit is {max_body_bytes}")
+        return body
+
+    async def parse(request: Request, cls: type[T]) -> T:
+        try:
+            return cls.model_validate_json(await raw(request))
+        except pydantic.ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "body"
+            raise InputError(f"{where}: {first['msg']}") from None
+
+    def route(method: str, path: str) -> Callable:
+        return app.api_route(PREFIX + path, methods=[method])
+
+    # ------------------------------------------------------------ handshake and sessions
+
+    @route("POST", "/client/config")
+    async def client_config(request: Request) -> dict:
+        owner(request)
+        return {
+            "pjwt_auth_enabled": False,
+            "proto_compress_fwdbwd": service.config.compress_fwdbwd,
+            "parallel_fwdbwd_chunks": True,
+            "fwdbwd_max_chunk_len": service.config.fwdbwd_max_chunk_len,
+        }
+
+    @route("POST", "/client/dynamic_config")
+    async def dynamic_config(request: Request) -> dict:
+        owner(request)
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+    @route("POST", "/create_session")
+    async def create_session(request: Request) -> dict:
+        who = owner(request)
+        await parse(request, tt.CreateSessionRequest)
+        return {"type": "create_session", "session_id": service.create_session(who)}
+
+    @route("POST", "/session_heartbeat")
+    async def heartbeat(request: Request) -> dict:
+        owner(request)
+        return {"type": "session_heartbeat"}
+
+    @route("POST", "/telemetry")
+    async def telemetry(request: Request) -> dict:
+        return {"status": "accepted"}
+
+    @route("POST", "/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request) -> dict:
+        owner(request)
+        return {}
+
+    @route("GET", "/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @route("GET", "/get_server_capabilities")
+    async def capabilities(request: Request) -> dict:
+        owner(request)
+        return service.capabilities()
+
+    # ------------------------------------------------------------ training
+
+    @route("POST", "/create_model")
+    async def create_model(request: Request) -> dict:
+        who = owner(request)
+        req = await parse(request, tt.CreateModelRequest)
+        return {"request_id": service.create_model(who, req)}
+
+    @route("POST", "/get_info")
+    async def get_info(request: Request) -> dict:
+        who = owner(request)
+        req = await parse(request, tt.GetInfoRequest)
+        return service.get_info(who, req.model_id)
+
+    @route("POST", "/forward_backward")
+    async def forward_backward(request: Request) -> dict:
+        who = owner(request)
+        body = await raw(request)
+        encoding = request.headers.get("content-encoding")
+        return {"request_id": service.forward_backward(who, body, encoding)}
+
+    @route("POST", "/optim_step")
+    async def optim_step(request: Request) -> dict:
+        who = owner(request)
+        return {"request_id": service.optim_step(who, await parse(request, tt.OptimStepRequest))}
+
+    @route("POST", "/save_weights")
+    async def save_weights(request: Request) -> dict:
+        who = owner(request)
+        req = await parse(request, tt.SaveWeightsRequest)
+        return {"request_id": service.save_weights(who, req)}
+
+    @route("POST", "/save_weights_for_sampler")
+    async def save_for_sampler(request: Request) -> dict:
+        who = owner(request)
+        req = await parse(request, tt.SaveWeightsForSamplerRequest)
+        return {"request_id": service.save_weights_for_sampler(who, req)}
+
+    @route("POST", "/load_weights")
+    async def load_weights(request: Request) -> dict:
+        who = owner(request)
+        req = await parse(request, tt.LoadWeightsRequest)
+        return {"request_id": service.load_weights(who, req)}
+
+    # ------------------------------------------------------------ sampling
+
+    @route("POST", "/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict:
+        who = owner(request)
+        req = await parse(request, tt.CreateSamplingSessionRequest)
+        sampler_id = await run_in_threadpool(service.create_sampling_session, who, req)
+        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+    @route("GET", "/samplers/{sampler_id}")
+    async def sampler(sampler_id: str, request: Request) -> dict:
+        return service.sampler_info(owner(request), sampler_id)
+
+    @route("POST", "/asample")
+    async def asample(request: Request) -> dict:
+        who = owner(request)
+        req = await parse(request, tt.SampleRequest)
+        request_id, sequence_ids = await run_in_threadpool(service.sample, who, req)
+        return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+
+    # ------------------------------------------------------------ futures
+
+    @route("POST", "/retrieve_future")
+    async def retrieve_future(request: Request) -> Any:
+        who = owner(request)
+        req = await parse(request, tt.FutureRetrieveRequest)
+        if service.futures.owner(req.request_id) != who:
+            return JSONResponse(
+                {"error": f"unknown request_id {req.request_id!r}", "category": "user"}
+            )
+        done, result = await service.futures.wait(req.request_id)
+        if not done:
+            return {"type": "try_again", "request_id": req.request_id, "queue_state": "active"}
+        if isinstance(result, Failure):
+            return JSONResponse({"error": result.error, "category": result.category})
+        if isinstance(result, bytes):
+            return Response(result, media_type=proto.PROTOBUF)
+        return result
+
+    # ------------------------------------------------------------ runs and checkpoints
+
+    @route("GET", "/training_runs")
+    async def training_runs(request: Request, offset: int = 0, limit: int = 100) -> dict:
+        runs = service.training_runs(owner(request))
+        page = runs[offset : offset + limit]
+        return {
+            "training_runs": page,
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
+        }
+
+    @route("GET", "/training_runs/{run_id}")
+    async def training_run(run_id: str, request: Request) -> dict:
+        return service.training_run(owner(request), run_id)
+
+    @route("GET", "/training_runs/{run_id}/checkpoints")
+    async def run_checkpoints(run_id: str, request: Request) -> dict:
+        return {"checkpoints": service.checkpoints(owner(request), run_id)}
+
+    @route("GET", "/checkpoints")
+    async def all_checkpoints(request: Request, offset: int = 0, limit: int = 100) -> dict:
+        who = owner(request)
+        runs = [r["training_run_id"] for r in service.training_runs(who)]
+        found = [c for run in runs for c in service.checkpoints(who, run)]
+        return {
+            "checkpoints": found[offset : offset + limit],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(found)},
+        }
+
+    @route("DELETE", "/training_runs/{run_id}/checkpoints/{segment}/{name}")
+    async def delete_checkpoint(run_id: str, segment: str, name: str, request: Request) -> dict:
+        service.delete_checkpoint(owner(request), run_id, segment, name)
+        return {}
+
+    @route("POST", "/weights_info")
+    async def weights_info(request: Request) -> dict:
+        who = owner(request)
+        body = await raw(request)
+        try:
+            path = pydantic.TypeAdapter(dict[str, Any]).validate_json(body)["tinker_path"]
+        except (pydantic.ValidationError, KeyError):
+            raise InputError("tinker_path: required") from None
+        return service.weights_info(who, path)
+
+    return app

@@ -1,0 +1,174 @@
+"""LoRA adapters through peft, with Tinker's ``LoraConfig`` semantics.
+
+Rank from the request, alpha 32, dropout 0. ``train_attn`` targets the q/k/v/o projections,
+``train_mlp`` the MLP projections (gate/up/down, and the fused expert weights of MoE layers
+through peft's ``target_parameters``), ``train_unembed`` puts a LoRA on the LM head (Tinker:
+"whether to add lora to the unembedding layer"; peft's ``modules_to_save`` would instead train
+a full per-adapter copy of the head).
+
+Many adapters live on one ``PeftModel`` per base; that PeftModel wraps a weight-sharing view of
+the base (``share_weights``), so the base itself stays a plain model for base sampling.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+
+from furlong.errors import InputError
+from furlong.train import checkpoint as ckpt
+
+ALPHA = 32
+ATTN_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+MLP_MODULES = frozenset({"gate_proj", "up_proj", "down_proj"})
+# MoE experts in transformers 5 are 3-D parameters of an ``experts`` module, not nn.Linear.
+EXPERT_PARAMS = frozenset({"gate_up_proj", "gate_proj", "up_proj", "down_proj"})
+WEIGHTS_FILE = "adapter_model.safetensors"  # with peft's adapter_config.json: a peft adapter dir
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A client's LoRA request (Tinker ``LoraConfig``); ``seed`` None: derived from the id."""
+
+    rank: int
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise InputError(f"lora_config.rank: must be an integer >= 1, got {self.rank!r}")
+        for field in ("train_mlp", "train_attn", "train_unembed"):
+            if not isinstance(getattr(self, field), bool):
+                raise InputError(f"lora_config.{field}: must be a boolean")
+        if not (self.train_mlp or self.train_attn or self.train_unembed):
+            raise InputError(
+                "lora_config: train_mlp, train_attn and train_unembed are all false "
+                "(nothing to train)"
+            )
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise InputError(f"lora_config.seed: must be an integer, got {self.seed!r}")
+
+    def as_dict(self) -> dict[str, int | bool]:
+        return {
+            "rank": self.rank,
+            "train_mlp": self.train_mlp,
+            "train_attn": self.train_attn,
+            "train_unembed": self.train_unembed,
+        }
+
+
+def peft_config(model: torch.nn.Module, spec: LoraSpec) -> LoraConfig:
+    """Targets found in ``model`` (a plain HF causal LM) for ``spec``."""
+    modules: set[str] = set()
+    params: set[str] = set()
+    head = model.get_output_embeddings()
+    for path, module in model.named_modules():
+        leaf = path.rpartition(".")[2]
+        wanted = (
+            (spec.train_unembed and module is head)
+            or (spec.train_attn and leaf in ATTN_MODULES)
+            or (spec.train_mlp and leaf in MLP_MODULES)
+        )
+        if wanted and isinstance(module, torch.nn.Linear):
+            modules.add(leaf)
+        if spec.train_mlp and leaf == "experts":
+            params.update(
+                f"experts.{n}"
+                for n, p in module.named_parameters(recurse=False)
+                if n in EXPERT_PARAMS and p.dim() == 3
+            )
+    if not modules and not params:
+        raise InputError(f"lora_config: {spec.as_dict()} selects no layer of this base model")
+    return LoraConfig(
+        r=spec.rank,
+        lora_alpha=ALPHA,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=sorted(modules),
+        target_parameters=sorted(params) or None,
+    )
+
+
+def share_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the module tree whose parameters and buffers *are* the original's: peft injects
+    its layers into the copy, the original stays a plain model, and no weight is duplicated."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def adapter_name(model_id: str, taken: Collection[str]) -> str:
+    """A peft adapter name (a ModuleDict key: no dots) unique among ``taken``."""
+    base = "m_" + re.sub(r"[^A-Za-z0-9_]", "_", model_id)
+    name, n = base, 1
+    while name in taken:
+        name, n = f"{base}_{n}", n + 1
+    return name
+
+
+def derive_seed(pool_seed: int, model_id: str) -> int:
+    digest = hashlib.sha256(f"{pool_seed}/{model_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def add_adapter(
+    peft_model: PeftModel | None,
+    base: torch.nn.Module,
+    name: str,
+    config: LoraConfig,
+    seed: int,
+) -> PeftModel:
+    """Adds adapter ``name`` initialized from ``seed`` (peft's B = 0: it starts as the base),
+    wrapping a weight-sharing view of ``base`` on first use. The global RNG is untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if peft_model is None:
+            return get_peft_model(share_weights(base), config, adapter_name=name)
+        try:
+            peft_model.add_adapter(name, config)
+        except BaseException:
+            if name in peft_model.peft_config:
+                peft_model.delete_adapter(name)
+            raise
+    return peft_model
+
+
+def adapter_params(peft_model: torch.nn.Module, name: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """The adapter's parameters, named as in a peft adapter file (adapter name removed), so a
+    checkpoint loads into another model id's adapter."""
+    marker = f".{name}."
+    return [(n.replace(marker, "."), p) for n, p in peft_model.named_parameters() if marker in n]
+
+
+def save_adapter(out: Path, peft_model: PeftModel, name: str) -> None:
+    """Write a standard peft adapter directory (``PeftModel.from_pretrained`` reads it)."""
+    # peft would add the whole LM head when it is a LoRA target ("auto"): the base has it.
+    tensors = get_peft_model_state_dict(peft_model, adapter_name=name, save_embedding_layers=False)
+    save_file(tensors, str(out / WEIGHTS_FILE))
+    peft_model.peft_config[name].save_pretrained(str(out))
+
+
+def merged_copy(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
+    """An independent plain copy of ``base`` with the adapter of ``adapter_dir`` merged in."""
+    config = LoraConfig.from_pretrained(str(adapter_dir))
+    tensors = load_file(str(adapter_dir / WEIGHTS_FILE))
+    name = "m_snapshot"
+    with torch.random.fork_rng(devices=[]):  # peft initializes the adapter before the load
+        model = get_peft_model(copy.deepcopy(base), config, adapter_name=name)
+    ckpt.check_tensors(dict(adapter_params(model, name)), tensors)
+    set_peft_model_state_dict(model, tensors, adapter_name=name)
+    merged = model.merge_and_unload()
+    merged.requires_grad_(False)
+    return merged

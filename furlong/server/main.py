@@ -1,0 +1,63 @@
+"""Start ``furlong serve``: parse the served base models and keys, then run uvicorn."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from furlong.errors import InputError
+from furlong.server.app import create_app
+from furlong.server.service import Service, ServiceConfig
+
+
+def parse_base_models(specs: list[str]) -> dict[str, str]:
+    """``NAME=PRESET|DIR`` (or a bare ``PRESET|DIR``, served under its own name)."""
+    out: dict[str, str] = {}
+    for i, spec in enumerate(specs):
+        name, sep, source = spec.partition("=")
+        name, source = (name, source) if sep else (spec, spec)
+        if not name or not source:
+            raise InputError(f"--base-model[{i}]: {spec!r} is not NAME=PRESET|DIR")
+        out[name] = source
+    return out
+
+
+def read_api_keys(path: str | None) -> frozenset[str] | None:
+    if path is None:
+        return None
+    keys = frozenset(line.strip() for line in Path(path).read_text().splitlines() if line.strip())
+    if not keys:
+        raise InputError(f"--api-keys-file: {path} lists no keys")
+    return keys
+
+
+def serve(
+    base_models: list[str],
+    host: str,
+    port: int,
+    state_dir: str,
+    api_keys_file: str | None,
+    full_finetune: bool,
+    seed: int,
+) -> None:
+    import uvicorn
+
+    keys = read_api_keys(api_keys_file)
+    config = ServiceConfig(
+        base_models=parse_base_models(base_models),
+        state_dir=Path(state_dir),
+        full_finetune=full_finetune,
+        seed=seed,
+    )
+    service = Service(config)
+    if keys is None:
+        print(
+            "furlong serve: no --api-keys-file, so any tml-... key is accepted",
+            file=sys.stderr,
+        )
+    print(
+        f"furlong serve: {sorted(config.base_models)} on http://{host}:{port} "
+        f"(TINKER_BASE_URL), state in {state_dir}",
+        file=sys.stderr,
+    )
+    uvicorn.run(create_app(service, keys), host=host, port=port, log_level="warning")

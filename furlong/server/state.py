@@ -1,0 +1,123 @@
+"""What the service keeps on disk under ``--state-dir``: training runs and their checkpoints.
+
+Layout (``<run>`` is the model id ``<session_id>:train:<n>``)::
+
+    runs/<run>/run.json                     base model, LoRA config, owner, user metadata
+    runs/<run>/weights/<name>/              training state: weights + optimizer (atomic dir)
+    runs/<run>/sampler_weights/<name>/      sampler snapshot (atomic dir)
+
+``tinker://<run>/<weights|sampler_weights>/<name>`` names a checkpoint. Names are checked so a
+path can never leave the state directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from furlong.errors import InputError
+
+SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
+
+
+def check_name(name: str, field: str) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+        raise InputError(
+            f"{field}: {name!r} is not a valid name (letters, digits, '.', '_', ':', '-'; "
+            "no '/' or '..'; at most 200 characters)"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    run_id: str
+    segment: str  # weights | sampler_weights
+    name: str
+
+    @classmethod
+    def parse(cls, path: str, field: str = "path") -> CheckpointRef:
+        if not isinstance(path, str) or not path.startswith("tinker://"):
+            raise InputError(f"{field}: {path!r} is not a tinker:// path")
+        parts = path[len("tinker://") :].split("/")
+        if len(parts) != 3 or parts[1] not in SEGMENTS:
+            raise InputError(
+                f"{field}: {path!r} is not tinker://<run>/<weights|sampler_weights>/<name>"
+            )
+        return cls(check_name(parts[0], field), parts[1], check_name(parts[2], field))
+
+    @property
+    def uri(self) -> str:
+        return f"tinker://{self.run_id}/{self.segment}/{self.name}"
+
+
+def owner_id(api_key: str) -> str:
+    """A stable tenant id for a key; the key itself is never written to disk."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+class StateDir:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        (self.root / "runs").mkdir(parents=True, exist_ok=True)
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.root / "runs" / check_name(run_id, "model_id")
+
+    def checkpoint_dir(self, ref: CheckpointRef) -> Path:
+        return self.run_dir(ref.run_id) / ref.segment / ref.name
+
+    def write_run(self, run_id: str, meta: dict[str, Any]) -> None:
+        """Atomically (temp file + rename) record a run's metadata."""
+        path = self.run_dir(run_id) / "run.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def read_run(self, run_id: str) -> dict[str, Any] | None:
+        path = self.run_dir(run_id) / "run.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def runs(self) -> list[tuple[str, dict[str, Any]]]:
+        out = []
+        for d in sorted((self.root / "runs").iterdir()):
+            meta = self.read_run(d.name) if _NAME.fullmatch(d.name) else None
+            if meta is not None:
+                out.append((d.name, meta))
+        return out
+
+    def checkpoints(self, run_id: str) -> list[dict[str, Any]]:
+        """Checkpoint records (Tinker's ``Checkpoint`` fields), oldest first."""
+        out = []
+        for segment, kind in SEGMENTS.items():
+            base = self.run_dir(run_id) / segment
+            for d in sorted(base.iterdir()) if base.is_dir() else []:
+                if not d.is_dir() or not _NAME.fullmatch(d.name):
+                    continue  # temp dirs of writes in progress
+                stat = d.stat()
+                out.append(
+                    {
+                        "checkpoint_id": f"{segment}/{d.name}",
+                        "checkpoint_type": kind,
+                        "time": _iso(stat.st_mtime),
+                        "tinker_path": CheckpointRef(run_id, segment, d.name).uri,
+                        "size_bytes": sum(f.stat().st_size for f in d.rglob("*") if f.is_file()),
+                        "public": False,
+                    }
+                )
+        return sorted(out, key=lambda c: c["time"])
+
+
+def _iso(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp))
