@@ -192,7 +192,7 @@ def create_app(
     async def asample(request: Request) -> dict:
         who = owner(request)
         req = await parse(request, tt.SampleRequest)
-        request_id, sequence_ids = await run_in_threadpool(service.sample, who, req)
+        request_id, sequence_ids = service.sample(who, req)  # queues; never waits
         return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
     # ------------------------------------------------------------ futures

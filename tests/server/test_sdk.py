@@ -7,7 +7,12 @@ forward through the service must equal the engine's direct result."""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -81,3 +86,155 @@ def test_forward_equals_the_engine(server, loss_fn: str) -> None:
         lp = torch.from_numpy(np.asarray(got["logprobs"].to_numpy()))
         torch.testing.assert_close(lp, want["logprobs"], atol=1e-5, rtol=0)
     assert out.metrics["loss:sum"] == pytest.approx(direct.metrics["loss:sum"], abs=1e-3)
+
+
+def sft_datum(tokenizer, prompt: str, answer: str) -> types.Datum:
+    p, a = tokenizer(prompt)["input_ids"], tokenizer(answer)["input_ids"]
+    tokens = p + a
+    weights = [0.0] * (len(p) - 1) + [1.0] * len(a)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
+
+
+def test_training_moves_the_model_and_state_round_trips(server) -> None:
+    service = client(server)
+    training = service.create_lora_training_client(BASE, rank=8).result()
+    tokenizer = training.get_tokenizer()  # a local directory the client loads offline
+    data = [sft_datum(tokenizer, f"What is {i} + 1?", f" {i + 1}<|im_end|>") for i in range(4)]
+    adam = types.AdamParams(learning_rate=5e-3)
+    losses = []
+    for _ in range(6):
+        fb = training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(adam).result()
+        losses.append(fb.metrics["loss:sum"])
+    assert losses[-1] < 0.8 * losses[0]
+
+    saved = training.save_state("step6").result().path
+    assert saved == f"tinker://{training.model_id}/weights/step6"
+    restored = service.create_training_client_from_state_with_optimizer(saved).result()
+    a = training.forward(data, "cross_entropy").result()
+    b = restored.forward(data, "cross_entropy").result()
+    assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], abs=1e-6)
+    # identical next step with the restored optimizer state
+    for t in (training, restored):
+        t.forward_backward(data, "cross_entropy").result()
+        t.optim_step(adam).result()
+    a = training.forward(data, "cross_entropy").result()
+    b = restored.forward(data, "cross_entropy").result()
+    assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], abs=1e-5)
+    runs = service.create_rest_client().list_training_runs().result()
+    assert training.model_id in [r.training_run_id for r in runs.training_runs]
+
+
+def test_forward_backward_custom(server) -> None:
+    service = client(server)
+    training = service.create_lora_training_client(BASE, rank=4).result()
+    sdk_data, _ = rl_data(3)
+
+    def loss_fn(data, logprobs):  # maximise the mean log-prob of the targets
+        loss = -sum(lp.sum() for lp in logprobs) / sum(len(lp) for lp in logprobs)
+        return loss, {"custom:mean": float(loss)}
+
+    out = training.forward_backward_custom(sdk_data, loss_fn).result()
+    assert out.metrics["loss:sum"] < 0 or out.metrics["loss:sum"] > 0
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = training.forward_backward_custom(sdk_data, loss_fn).result()
+    assert after.metrics["loss:sum"] < out.metrics["loss:sum"]
+
+
+def test_sampling_and_compute_logprobs(server) -> None:
+    service = client(server)
+    training = service.create_lora_training_client(BASE, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    sampler = training.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints(tokenizer("What is 2 + 3?")["input_ids"])
+    params = types.SamplingParams(max_tokens=8, seed=3, temperature=1.0, stop=[])
+    a = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
+    b = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
+    assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+    for seq in a.sequences:
+        assert len(seq.tokens) == 8 and len(seq.logprobs) == 8 and seq.stop_reason == "length"
+    tokens = prompt.to_ints() + a.sequences[0].tokens
+    lps = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    assert lps[0] is None and len(lps) == len(tokens)
+    n = len(prompt.to_ints())
+    torch.testing.assert_close(
+        torch.tensor(lps[n:]), torch.tensor(a.sequences[0].logprobs), atol=1e-5, rtol=0
+    )
+    # the sampler keeps the snapshot's weights while training goes on
+    datum = sft_datum(tokenizer, "What is 2 + 3?", " 5<|im_end|>")
+    training.forward_backward([datum], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    again = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in a.sequences]
+
+
+def test_keys_are_isolated_and_bad_input_changes_nothing(server) -> None:
+    alice, bob = client(server, "tml-alice"), client(server, "tml-bob")
+    training = alice.create_lora_training_client(BASE, rank=4).result()
+    saved = training.save_state("mine").result().path
+    with pytest.raises(Exception, match="404|not found"):
+        bob.create_training_client_from_state(saved).result()
+    sdk_data, _ = rl_data(2)
+    before = training.forward(sdk_data, "cross_entropy").result().metrics["loss:sum"]
+    bad = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 99999]),
+        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
+    )
+    with pytest.raises(Exception, match="token id|vocab"):  # one chunk: rejected whole
+        training.forward_backward([sdk_data[0], bad], "cross_entropy").result()
+    with pytest.raises(Exception, match="loss_fn"):
+        training.forward_backward(sdk_data, "nonsense").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-1)).result()  # no gradients: no-op
+    after = training.forward(sdk_data, "cross_entropy").result().metrics["loss:sum"]
+    assert after == pytest.approx(before, abs=1e-6)
+    with pytest.raises(Exception, match="not served"):
+        alice.create_lora_training_client("Unknown/Model", rank=4).result()
+
+
+def test_checkpoints_survive_a_restart(tmp_path) -> None:
+    sdk_data, _ = rl_data(3)
+    with serve(tmp_path) as url:
+        training = client(url).create_lora_training_client(BASE, rank=4).result()
+        training.forward_backward(sdk_data, "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        want = training.forward(sdk_data, "cross_entropy").result().metrics["loss:sum"]
+        path = training.save_state("final").result().path
+    with serve(tmp_path) as url:  # a new service process state, same --state-dir
+        restored = client(url).create_training_client_from_state(path).result()
+        got = restored.forward(sdk_data, "cross_entropy").result().metrics["loss:sum"]
+        assert got == pytest.approx(want, abs=1e-5)
+        info = client(url).create_rest_client().get_weights_info_by_tinker_path(path).result()
+        assert info.is_lora and info.lora_rank == 4 and info.base_model == BASE
+
+
+def test_cli_serves_the_sdk(tmp_path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "furlong", "serve", "--port", str(port)]
+    cmd += ["--base-model", f"{BASE}=tiny-qwen3", "--state-dir", str(tmp_path)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/api/v1/healthz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        service = client(url)
+        names = [m.model_name for m in service.get_server_capabilities().supported_models]
+        assert names == [BASE]
+        training = service.create_lora_training_client(BASE, rank=2).result()
+        out = training.forward(rl_data(1)[0], "cross_entropy").result()
+        assert np.isfinite(out.metrics["loss:sum"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
