@@ -220,14 +220,18 @@ class EmbeddedEngine:
             raise InputError(f"prompts[{index}]: token id {bad[0]} outside [0, {self.vocab_size})")
         if params.return_routed_experts and not self.router.is_moe:
             raise InputError(f"params[{index}].return_routed_experts: the model has no MoE routers")
-        stop_ids = params.stop_token_ids
         return _Request(
             request_id=next(self._ids) if request_id is None else request_id,
             prompt=[int(t) for t in prompt],
             params=params,
-            stop_ids=self.eos_ids if stop_ids is None else frozenset(stop_ids),
+            stop_ids=self.stop_ids(params),
             generator=request_generator(params.seed),
         )
+
+    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The token ids that end a request: its own, or the model's EOS when it names none."""
+        ids = params.stop_token_ids
+        return self.eos_ids if ids is None else frozenset(ids)
 
     # ---------------------------------------------------------------- weights
 

@@ -73,7 +73,7 @@ def create_app(engine: EmbeddedEngine, model_path: str = "") -> FastAPI:
             wire.response_body(
                 r,
                 engine.tokenizer.decode(r.output_ids),
-                _stop_ids(engine, p),
+                engine.stop_ids(p),
                 start_len,
                 latency,
             )
@@ -121,19 +121,18 @@ def create_app(engine: EmbeddedEngine, model_path: str = "") -> FastAPI:
     async def update_from_disk(request: Request) -> JSONResponse:
         body = await _body(request)
         path = body.get("model_path")
-        version = body.get("weight_version")
+        raw_version = body.get("weight_version")
+        version = None if raw_version is None else wire.parse_version(raw_version)
         failure = None
         if not isinstance(path, str) or not path:
             failure = "model_path: expected a non-empty string"
-        elif version is not None and not str(version).lstrip("-").isdigit():
-            failure = f"weight_version: furlong versions are integers, got {version!r}"
+        elif raw_version is not None and version is None:
+            failure = f"weight_version: furlong versions are integers, got {raw_version!r}"
         if failure is None:
             try:
                 if body.get("abort_all_requests"):
                     await run_in_threadpool(engine.abort)
-                new = await run_in_threadpool(
-                    engine.update_weights, path, None if version is None else int(version)
-                )
+                new = await run_in_threadpool(engine.update_weights, path, version)
             except InputError as e:
                 failure = str(e)
         if failure is not None:
@@ -265,11 +264,6 @@ def _parse_generate(engine: EmbeddedEngine, body: dict) -> tuple[bool, list, lis
     else:
         rids = [f"{rid}_{i}" for i in range(n)] if batch else [str(rid)]
     return batch, prompts, params, rids
-
-
-def _stop_ids(engine: EmbeddedEngine, params) -> frozenset[int]:
-    ids = params.stop_token_ids
-    return engine.eos_ids if ids is None else frozenset(ids)
 
 
 def _tags(body: dict) -> list[str]:

@@ -101,8 +101,7 @@ class SGLangClient:
 
     @property
     def weight_version(self) -> int:
-        version = self._get("/get_weight_version")["weight_version"]
-        return int(version) if str(version).lstrip("-").isdigit() else 0
+        return wire.parse_version(self._get("/get_weight_version")["weight_version"]) or 0
 
     def update_weights(self, weights: Weights, version: int | None = None) -> int:
         if isinstance(weights, Mapping):

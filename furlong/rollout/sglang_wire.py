@@ -52,6 +52,16 @@ _SAMPLING_KEYS = {
 }
 
 
+# ------------------------------------------------------------------ scalars
+
+
+def parse_version(value: Any) -> int | None:
+    """furlong's integer weight version from SGLang's string field (None if not an integer,
+    e.g. a real SGLang server's ``"default"``)."""
+    text = str(value)
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
 # ------------------------------------------------------------------ tensors
 
 
@@ -124,8 +134,7 @@ def sampling_params(sp: Any, top: Mapping[str, Any], eos_ids: Iterable[int], whe
     if ids is not None and not isinstance(ids, list):
         raise InputError(f"{where}.stop_token_ids: expected a list of ints")
     if get("ignore_eos", False):
-        stop_ids = None if ids is None else tuple(ids)
-        stop_ids = () if stop_ids is None else stop_ids
+        stop_ids = tuple(ids or ())
     else:
         stop_ids = None if ids is None else tuple(sorted({*ids, *eos_ids}))
     try:
@@ -247,7 +256,7 @@ def generate_result(
         output_logprobs=logprobs,
         finish_reason=reason,
         sampling_mask=mask,
-        weight_version=int(version) if str(version).lstrip("-").isdigit() else 0,
+        weight_version=parse_version(version) or 0,
         prompt_logprobs=prompt_lp,
         top_logprobs=top,
         routed_experts=routed,

@@ -27,7 +27,7 @@ from furlong.server import proto
 from furlong.server.futures import Failure, FutureStore
 from furlong.server.models import LoraSpec, ModelPool, TrainingModel, sampling_model
 from furlong.server.ordering import CommandLog
-from furlong.server.state import CheckpointRef, StateDir, check_name
+from furlong.server.state import CheckpointRef, StateDir, check_name, iso_time
 from furlong.types import AdamParams
 
 
@@ -309,19 +309,23 @@ class Service:
         return self._new_sampler(owner, req.base_model, None)
 
     def _new_sampler(self, owner: str, base_model: str, model_path: str | None) -> str:
+        engine = self._engine(owner, base_model, model_path)
+        sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
+        self.samplers[sampler_id] = _Sampler(owner, engine, base_model, model_path)
+        return sampler_id
+
+    def _engine(self, owner: str, base_model: str, model_path: str | None) -> EmbeddedEngine:
+        """A rollout engine over a base model (one per base, shared) or a sampler snapshot."""
         if model_path is None:
             engine = self._base_samplers.get(base_model)
             if engine is None:
                 model, tokenizer = self.pool.base(base_model)
                 engine = EmbeddedEngine(model, tokenizer, max_running=self.config.sampler_slots)
                 self._base_samplers[base_model] = engine
-        else:
-            path = self._checkpoint(owner, CheckpointRef.parse(model_path))
-            model, tokenizer = sampling_model(self.pool, path)
-            engine = EmbeddedEngine(model, tokenizer, max_running=self.config.sampler_slots)
-        sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
-        self.samplers[sampler_id] = _Sampler(owner, engine, base_model, model_path)
-        return sampler_id
+            return engine
+        path = self._checkpoint(owner, CheckpointRef.parse(model_path))
+        model, tokenizer = sampling_model(self.pool, path)
+        return EmbeddedEngine(model, tokenizer, max_running=self.config.sampler_slots)
 
     def sampler_info(self, owner: str, sampler_id: str) -> dict:
         s = self._sampler(owner, sampler_id)
@@ -336,15 +340,11 @@ class Service:
     def sample(self, owner: str, req: tt.SampleRequest) -> tuple[str, list[str]]:
         """Queue ``num_samples`` sequences; returns the request id and the sequence ids."""
         if req.sampling_session_id:
-            sampler = self._sampler(owner, req.sampling_session_id)
-        else:  # legacy addressing
-            path = req.model_path
-            base = req.base_model or ""
-            sampler_id = self._new_sampler(owner, base, path) if path else None
-            if sampler_id is None:
-                self._check_base(base)
-                sampler_id = self._new_sampler(owner, base, None)
-            sampler = self.samplers[sampler_id]
+            engine = self._sampler(owner, req.sampling_session_id).engine
+        else:  # legacy addressing: no sampling session is registered
+            if not req.model_path:
+                self._check_base(req.base_model or "")
+            engine = self._engine(owner, req.base_model or "", req.model_path)
         for name in ("prompt_alt_tokens_k", "prompt_logprobs_last_n", "target_prompt_logprobs"):
             if getattr(req, name, None):
                 raise InputError(f"{name}: not supported by furlong")
@@ -353,7 +353,6 @@ class Service:
         if req.num_samples < 1:
             raise InputError(f"num_samples: must be >= 1, got {req.num_samples}")
         prompt = _tokens(req.prompt, "prompt")
-        engine = sampler.engine
         params = self._sampling_params(req, len(prompt), engine)
         futures = engine.submit_many([prompt] * req.num_samples, params)
         request_id = self.futures.create(owner)
@@ -427,7 +426,7 @@ class Service:
             "model_owner": meta["owner"],
             "is_lora": bool(meta.get("is_lora")),
             "lora_rank": lora.get("rank"),
-            "last_request_time": _iso(meta.get("created", 0.0)),
+            "last_request_time": iso_time(meta.get("created", 0.0)),
             "last_checkpoint": training[-1] if training else None,
             "last_sampler_checkpoint": sampler[-1] if sampler else None,
             "user_metadata": _str_dict(meta.get("user_metadata")),
@@ -509,10 +508,6 @@ def _sample_result(futures: list, want_prompt: bool) -> Any:
 
 def _stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + f"-{uuid.uuid4().hex[:6]}"
-
-
-def _iso(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 def _str_dict(d: Any) -> dict[str, str] | None:

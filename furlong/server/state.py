@@ -110,7 +110,7 @@ class StateDir:
                     {
                         "checkpoint_id": f"{segment}/{d.name}",
                         "checkpoint_type": kind,
-                        "time": _iso(stat.st_mtime),
+                        "time": iso_time(stat.st_mtime),
                         "tinker_path": CheckpointRef(run_id, segment, d.name).uri,
                         "size_bytes": sum(f.stat().st_size for f in d.rglob("*") if f.is_file()),
                         "public": False,
@@ -119,5 +119,5 @@ class StateDir:
         return sorted(out, key=lambda c: c["time"])
 
 
-def _iso(timestamp: float) -> str:
+def iso_time(timestamp: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(timestamp))
