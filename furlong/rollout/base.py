@@ -34,6 +34,8 @@ class GenerateResult:
     sampling_mask: SamplingMask | None
     weight_version: int  # of the weights the request finished under
     prompt_logprobs: list[float] | None = None  # raw model log-probs, NaN at position 0
+    # per prompt position, the N most likely (id, log-prob) of the raw model; None at 0
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per output token
     # MoE: int32 [len(prompt + output) - 1 - start, layers, top_k]; row i = position start + i
     routed_experts: torch.Tensor | None = None

@@ -60,6 +60,7 @@ class _Request:
     kept: list[list[int]] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
+    prompt_top: list[list[tuple[int, float]] | None] | None = None
     routing: list[torch.Tensor] = field(default_factory=list)  # [positions, layers, top_k] parts
 
 
@@ -471,7 +472,7 @@ class EmbeddedEngine:
         mask = torch.tensor(
             [[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device
         )
-        want_prompt = [r.params.prompt_logprobs and r.prompt_logprobs is None for r in joining]
+        want_prompt = [_wants_prompt(r.params) and r.prompt_logprobs is None for r in joining]
         cache = kv_cache.new_cache(self.model.config)
         with self.router.record(_wants_routing(joining)):
             positions = (mask.cumsum(1) - 1).clamp(min=0)
@@ -484,6 +485,13 @@ class EmbeddedEngine:
                 target = torch.tensor(request.prompt[1:], device=self.device).unsqueeze(-1)
                 picked = logp.gather(-1, target).squeeze(-1)
                 request.prompt_logprobs = [float("nan")] + picked.tolist()
+                if k := min(request.params.prompt_top_logprobs, logp.shape[-1]):
+                    values, ids = logp.topk(k, dim=-1)
+                    rows = [
+                        list(zip(i, v, strict=True))
+                        for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+                    ]
+                    request.prompt_top = [None, *rows]
         return cache, mask, logits[:, -1].float()
 
     def _decode(
@@ -540,7 +548,8 @@ class EmbeddedEngine:
             finish_reason=reason,
             sampling_mask=SamplingMask.from_lists(request.kept) if request.kept else None,
             weight_version=version,
-            prompt_logprobs=request.prompt_logprobs,
+            prompt_logprobs=request.prompt_logprobs if params.prompt_logprobs else None,
+            prompt_top_logprobs=request.prompt_top,
             top_logprobs=list(request.top) if params.top_logprobs else None,
             routed_experts=routed,
             routed_experts_start=params.routed_experts_start,
@@ -549,6 +558,10 @@ class EmbeddedEngine:
     def _no_rows(self) -> torch.Tensor:
         top_k = getattr(self.model.config, "num_experts_per_tok", 0)
         return torch.empty(0, len(self.router.routers), top_k, dtype=torch.int32)
+
+
+def _wants_prompt(params: SamplingParams) -> bool:
+    return params.prompt_logprobs or params.prompt_top_logprobs > 0
 
 
 def _wants_routing(requests: list[_Request]) -> bool:

@@ -31,6 +31,7 @@ class SamplingParams:
     return_sampling_mask: bool = False
     # Reporting options (they do not change what is sampled):
     prompt_logprobs: bool = False  # raw model log-probs of the prompt tokens (NaN at 0)
+    prompt_top_logprobs: int = 0  # per prompt position, the N most likely ids (raw model)
     top_logprobs: int = 0  # per generated token, the N most likely ids of the kept distribution
     return_routed_experts: bool = False  # MoE: experts per position and layer (int32 rows)
     routed_experts_start: int = 0  # only rows from this position on (incremental R3)
@@ -57,6 +58,12 @@ class SamplingParams:
             fail("routed_experts_start", f"must be >= 0, got {self.routed_experts_start}")
         if self.top_logprobs < 0:
             fail("top_logprobs", f"must be >= 0, got {self.top_logprobs}")
+        if isinstance(self.prompt_top_logprobs, bool) or not isinstance(
+            self.prompt_top_logprobs, int
+        ):
+            fail("prompt_top_logprobs", f"expected an integer, got {self.prompt_top_logprobs!r}")
+        if self.prompt_top_logprobs < 0:
+            fail("prompt_top_logprobs", f"must be >= 0, got {self.prompt_top_logprobs}")
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))

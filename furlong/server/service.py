@@ -10,8 +10,10 @@ weights it was made from while training goes on.
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +48,7 @@ class ServiceConfig:
     poll_timeout: float = 25.0
     gap_timeout: float = 600.0
     sampler_slots: int = 32
+    snapshot_engines: int = 4  # sampler snapshots kept loaded for reuse (LRU)
     compress_fwdbwd: bool = False  # ask clients to zstd forward_backward bodies
     fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request (client-side split)
 
@@ -85,6 +88,8 @@ class Service:
         self.models: dict[str, _Model] = {}
         self.samplers: dict[str, _Sampler] = {}
         self._base_samplers: dict[str, EmbeddedEngine] = {}
+        self._snapshots: OrderedDict[Path, EmbeddedEngine] = OrderedDict()
+        self._snapshots_lock = threading.Lock()  # HTTP, compute and threadpool threads share it
 
     # ---------------------------------------------------------------- sessions
 
@@ -237,7 +242,9 @@ class Service:
         ref = CheckpointRef(req.model_id, "sampler_weights", name)
 
         def run() -> dict:
-            self._ready(entry).save_sampler_weights(self.state.checkpoint_dir(ref))
+            path = self.state.checkpoint_dir(ref)
+            self._ready(entry).save_sampler_weights(path)
+            self._forget_snapshot(path)
             if session is None:
                 return {"path": ref.uri, "type": "save_weights_for_sampler"}
             sampler_id = self._new_sampler(owner, entry.base_model, ref.uri)
@@ -324,8 +331,19 @@ class Service:
                 self._base_samplers[base_model] = engine
             return engine
         path = self._checkpoint(owner, CheckpointRef.parse(model_path))
-        model, tokenizer = sampling_model(self.pool, path)
-        return EmbeddedEngine(model, tokenizer, max_running=self.config.sampler_slots)
+        with self._snapshots_lock:
+            engine = self._snapshots.pop(path, None)
+            if engine is None:  # a snapshot changes only when re-saved, which evicts it
+                model, tokenizer = sampling_model(self.pool, path)
+                engine = EmbeddedEngine(model, tokenizer, max_running=self.config.sampler_slots)
+            self._snapshots[path] = engine
+            while len(self._snapshots) > self.config.snapshot_engines:
+                self._snapshots.popitem(last=False)  # live samplers keep their own reference
+            return engine
+
+    def _forget_snapshot(self, path: Path) -> None:
+        with self._snapshots_lock:
+            self._snapshots.pop(path, None)
 
     def sampler_info(self, owner: str, sampler_id: str) -> dict:
         s = self._sampler(owner, sampler_id)
@@ -345,22 +363,22 @@ class Service:
             if not req.model_path:
                 self._check_base(req.base_model or "")
             engine = self._engine(owner, req.base_model or "", req.model_path)
-        for name in ("prompt_alt_tokens_k", "prompt_logprobs_last_n", "target_prompt_logprobs"):
+        for name in ("prompt_alt_tokens_k", "target_prompt_logprobs"):
             if getattr(req, name, None):
                 raise InputError(f"{name}: not supported by furlong")
-        if req.topk_prompt_logprobs:
-            raise InputError("topk_prompt_logprobs: not supported by furlong")
         if req.num_samples < 1:
             raise InputError(f"num_samples: must be >= 1, got {req.num_samples}")
+        if req.topk_prompt_logprobs < 0:
+            raise InputError(f"topk_prompt_logprobs: must be >= 0, got {req.topk_prompt_logprobs}")
         prompt = _tokens(req.prompt, "prompt")
+        scored_from = _prompt_scored_from(req, len(prompt))
         params = self._sampling_params(req, len(prompt), engine)
         futures = engine.submit_many([prompt] * req.num_samples, params)
         request_id = self.futures.create(owner)
-        want_prompt = bool(req.prompt_logprobs)
 
         def done(_f: Any) -> None:
             if all(f.done() for f in futures):
-                self.futures.resolve(request_id, _sample_result(futures, want_prompt))
+                self.futures.resolve(request_id, _sample_result(futures, scored_from))
 
         for f in futures:
             f.add_done_callback(done)
@@ -396,6 +414,7 @@ class Service:
                 **base,
                 seed=None if sp.seed is None else sp.seed + i,
                 prompt_logprobs=bool(req.prompt_logprobs) and i == 0,
+                prompt_top_logprobs=req.topk_prompt_logprobs if i == 0 else 0,
             )
             for i in range(req.num_samples)
         ]
@@ -438,7 +457,9 @@ class Service:
 
     def delete_checkpoint(self, owner: str, run_id: str, segment: str, name: str) -> None:
         ref = CheckpointRef.parse(f"tinker://{run_id}/{segment}/{name}")
-        shutil.rmtree(self._checkpoint(owner, ref))
+        path = self._checkpoint(owner, ref)
+        self._forget_snapshot(path)
+        shutil.rmtree(path)
 
     def weights_info(self, owner: str, tinker_path: str) -> dict:
         ref = CheckpointRef.parse(tinker_path, "tinker_path")
@@ -486,7 +507,22 @@ def _tokens(model_input: tt.ModelInput, field_name: str) -> list[int]:
     return tokens
 
 
-def _sample_result(futures: list, want_prompt: bool) -> Any:
+def _prompt_scored_from(req: tt.SampleRequest, prompt_len: int) -> int:
+    """The first prompt position whose log-probs are returned (``prompt_logprobs_last_n``)."""
+    last_n = req.prompt_logprobs_last_n
+    if last_n is None:
+        return 1
+    if not req.prompt_logprobs:
+        raise InputError("prompt_logprobs_last_n: requires prompt_logprobs")
+    if not 1 <= last_n <= prompt_len - 1:
+        raise InputError(
+            f"prompt_logprobs_last_n: must be in [1, {prompt_len - 1}] for this prompt, "
+            f"got {last_n}"
+        )
+    return prompt_len - last_n
+
+
+def _sample_result(futures: list, scored_from: int) -> Any:
     try:
         results: list[GenerateResult] = [f.result() for f in futures]
     except InputError as e:
@@ -502,8 +538,13 @@ def _sample_result(futures: list, want_prompt: bool) -> Any:
         )
         for r in results
     ]
-    prompt_lp = results[0].prompt_logprobs if want_prompt else None
-    return proto.encode_sample_response(sequences, prompt_logprobs=prompt_lp)
+    first = results[0]
+    prompt_lp, prompt_top = first.prompt_logprobs, first.prompt_top_logprobs
+    if prompt_lp is not None:
+        prompt_lp = [None] * scored_from + prompt_lp[scored_from:]
+    if prompt_top is not None:
+        prompt_top = [None] * scored_from + prompt_top[scored_from:]
+    return proto.encode_sample_response(sequences, prompt_lp, prompt_top)
 
 
 def _stamp() -> str:

@@ -175,7 +175,9 @@ def test_update_weights_rejects_bad_tensors_without_changes(setup) -> None:
 
 def test_prompt_and_top_logprobs_match_a_teacher_forced_forward(setup) -> None:
     model, tokenizer, prompts = setup
-    params = never_stop(max_tokens=4, seed=2, prompt_logprobs=True, top_logprobs=3)
+    params = never_stop(
+        max_tokens=4, seed=2, prompt_logprobs=True, top_logprobs=3, prompt_top_logprobs=2
+    )
     results = EmbeddedEngine(model, tokenizer).generate([prompts[0], prompts[5]], params)
     assert len(prompts[0]) != len(prompts[5])  # prefilled together, left-padded
     for r in results:
@@ -186,6 +188,11 @@ def test_prompt_and_top_logprobs_match_a_teacher_forced_forward(setup) -> None:
         assert len(r.prompt_logprobs) == n and torch.isnan(torch.tensor(r.prompt_logprobs[0]))
         expected = logp[: n - 1].gather(-1, tokens[0, 1:n, None])[:, 0]
         torch.testing.assert_close(torch.tensor(r.prompt_logprobs[1:]), expected, atol=1e-5, rtol=0)
+        assert len(r.prompt_top_logprobs) == n and r.prompt_top_logprobs[0] is None
+        values, ids = torch.topk(logp[: n - 1], 2)
+        assert [[i for i, _ in row] for row in r.prompt_top_logprobs[1:]] == ids.tolist()
+        got = torch.tensor([[v for _, v in row] for row in r.prompt_top_logprobs[1:]])
+        torch.testing.assert_close(got, values, atol=1e-5, rtol=0)
         assert len(r.top_logprobs) == len(r.output_ids)
         for step, top in enumerate(r.top_logprobs):
             values, ids = torch.topk(logp[n - 1 + step], 3)

@@ -238,3 +238,81 @@ def test_cli_serves_the_sdk(tmp_path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_prompt_logprobs_top_k_and_last_n_match_a_teacher_forced_forward(server) -> None:
+    sampler = client(server).create_sampling_client(base_model=BASE)
+    model, tokenizer = build_preset("tiny-qwen3", seed=0)
+    ids = tokenizer("What is 12 + 30? Think first.")["input_ids"]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    n = len(ids)
+    want = logp[: n - 1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    top_v, top_i = torch.topk(logp[: n - 1], 3)
+    params = types.SamplingParams(max_tokens=2, seed=1)
+    prompt = types.ModelInput.from_ints(ids)
+    out = sampler.sample(
+        prompt, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=3
+    ).result()
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == n
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), want, atol=1e-5, rtol=0)
+    assert out.topk_prompt_logprobs[0] is None
+    assert [[t for t, _ in row] for row in out.topk_prompt_logprobs[1:]] == top_i.tolist()
+    got_v = torch.tensor([[v for _, v in row] for row in out.topk_prompt_logprobs[1:]])
+    torch.testing.assert_close(got_v, top_v, atol=1e-5, rtol=0)
+    last = sampler.sample(
+        prompt, 1, params, include_prompt_logprobs=True, prompt_logprobs_last_n=4
+    ).result()
+    assert last.prompt_logprobs[: n - 4] == [None] * (n - 4)
+    torch.testing.assert_close(
+        torch.tensor(last.prompt_logprobs[-4:]), want[-4:], atol=1e-5, rtol=0
+    )
+    with pytest.raises(Exception, match="prompt_logprobs_last_n"):
+        sampler.sample(
+            prompt, 1, params, include_prompt_logprobs=True, prompt_logprobs_last_n=n
+        ).result()
+    with pytest.raises(Exception, match="prompt_alt_tokens_k: not supported"):
+        sampler.sample(prompt, 1, params, prompt_alt_tokens_k=2).result()
+
+
+def train_a_few_steps(url: str, key: str, seed: int) -> list[float]:
+    training = client(url, key).create_lora_training_client(BASE, rank=4, seed=seed).result()
+    sdk_data, _ = rl_data(4, seed=seed)
+    out = []
+    for _ in range(3):
+        fb = training.forward_backward(sdk_data, "importance_sampling").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        out.append(fb.metrics["loss:sum"])
+    out.append(training.forward(sdk_data, "importance_sampling").result().metrics["loss:sum"])
+    return out
+
+
+def test_clients_training_at_once_get_what_they_get_alone(server) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    alone = [train_a_few_steps(server, f"tml-solo{s}", s) for s in (11, 12)]
+    with ThreadPoolExecutor(2) as pool:  # two keys, two models on one shared base, interleaved
+        jobs = [pool.submit(train_a_few_steps, server, f"tml-duo{s}", s) for s in (11, 12)]
+        together = [j.result() for j in jobs]
+    assert alone[0] != alone[1]
+    for a, b in zip(alone, together, strict=True):
+        assert a == pytest.approx(b, abs=1e-6)
+
+
+def test_a_resaved_sampler_path_serves_the_new_weights(server) -> None:
+    service = client(server)
+    training = service.create_lora_training_client(BASE, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    tokens = types.ModelInput.from_ints(tokenizer("What is 7 + 1? 8")["input_ids"])
+    path = training.save_weights_for_sampler("snap").result().path
+    old = service.create_sampling_client(model_path=path)
+    before = old.compute_logprobs(tokens).result()
+    again = service.create_sampling_client(model_path=path).compute_logprobs(tokens).result()
+    assert again == before  # a second client over the same snapshot sees the same weights
+    datum = sft_datum(tokenizer, "What is 7 + 1?", " 8<|im_end|>")
+    training.forward_backward([datum], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    assert training.save_weights_for_sampler("snap").result().path == path  # overwritten
+    new = service.create_sampling_client(model_path=path).compute_logprobs(tokens).result()
+    assert abs(new[-1] - before[-1]) > 1e-3
+    assert old.compute_logprobs(tokens).result() == before  # a live sampler keeps its snapshot
