@@ -44,6 +44,11 @@ def _serve(args: argparse.Namespace) -> int:
         api_keys_file=args.api_keys_file,
         full_finetune=args.full_finetune,
         seed=args.seed,
+        hf_home=args.hf_home,
+        max_datums=args.max_datums,
+        max_tokens_per_datum=args.max_tokens_per_datum,
+        max_body_mb=args.max_body_mb,
+        compress_fwdbwd=args.compress_fwdbwd,
     )
     return 0
 
@@ -89,6 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-keys-file", help="one accepted key per line (default: any tml-*)")
     serve.add_argument("--full-finetune", action="store_true", help="allow non-LoRA models")
     serve.add_argument("--seed", type=int, default=0, help="weights seed for presets")
+    serve.add_argument(
+        "--hf-home",
+        help="write each served NAME's tokenizer and config into this HF hub cache, so clients "
+        "(e.g. tinker-cookbook) load them offline with HF_HOME=DIR HF_HUB_OFFLINE=1",
+    )
+    serve.add_argument("--max-datums", type=int, default=4096, help="per forward_backward")
+    serve.add_argument("--max-tokens-per-datum", type=int, default=32_768)
+    serve.add_argument("--max-body-mb", type=int, default=256, help="request body limit (413)")
+    serve.add_argument(
+        "--compress-fwdbwd", action="store_true", help="ask clients to zstd forward_backward"
+    )
     serve.set_defaults(func=_serve)
     return parser
 

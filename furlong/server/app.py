@@ -69,6 +69,9 @@ def create_app(
         return owner_id(key)
 
     async def raw(request: Request) -> bytes:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:  # refuse before reading it
+            raise TooLarge(f"body: {declared} bytes; the limit is {max_body_bytes}")
         body = await request.body()
         if len(body) > max_body_bytes:
             raise TooLarge(f"body: {len(body)} bytes; the limit is {max_body_bytes}")

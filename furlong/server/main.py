@@ -39,6 +39,11 @@ def serve(
     api_keys_file: str | None,
     full_finetune: bool,
     seed: int,
+    hf_home: str | None = None,
+    max_datums: int = 4096,
+    max_tokens_per_datum: int = 32_768,
+    max_body_mb: int = 256,
+    compress_fwdbwd: bool = False,
 ) -> None:
     import uvicorn
 
@@ -48,7 +53,19 @@ def serve(
         state_dir=Path(state_dir),
         full_finetune=full_finetune,
         seed=seed,
+        max_datums=max_datums,
+        max_tokens_per_datum=max_tokens_per_datum,
+        compress_fwdbwd=compress_fwdbwd,
     )
+    if hf_home is not None:  # clients resolve the served names offline (tinker-cookbook)
+        from furlong.server.hub_cache import write_hub_cache
+
+        for name, source in config.base_models.items():
+            write_hub_cache(Path(hf_home), name, source)
+        print(
+            f"furlong serve: tokenizers in {hf_home} (clients: HF_HOME={hf_home} HF_HUB_OFFLINE=1)",
+            file=sys.stderr,
+        )
     service = Service(config)
     if keys is None:
         print(
@@ -60,4 +77,6 @@ def serve(
         f"(TINKER_BASE_URL), state in {state_dir}",
         file=sys.stderr,
     )
-    uvicorn.run(create_app(service, keys), host=host, port=port, log_level="warning")
+    uvicorn.run(
+        create_app(service, keys, max_body_mb << 20), host=host, port=port, log_level="warning"
+    )

@@ -363,7 +363,7 @@ class Service:
             if not req.model_path:
                 self._check_base(req.base_model or "")
             engine = self._engine(owner, req.base_model or "", req.model_path)
-        for name in ("prompt_alt_tokens_k", "target_prompt_logprobs"):
+        for name in ("prompt_alt_tokens_k", "target_prompt_logprobs", "record_stability_info"):
             if getattr(req, name, None):
                 raise InputError(f"{name}: not supported by furlong")
         if req.num_samples < 1:

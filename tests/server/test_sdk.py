@@ -18,6 +18,7 @@ import pytest
 import tinker
 import torch
 from tinker import types
+from transformers import AutoTokenizer
 
 from furlong.models import build_preset
 from furlong.server.app import create_app
@@ -215,7 +216,8 @@ def test_cli_serves_the_sdk(tmp_path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "furlong", "serve", "--port", str(port)]
-    cmd += ["--base-model", f"{BASE}=tiny-qwen3", "--state-dir", str(tmp_path)]
+    cmd += ["--base-model", f"{BASE}=tiny-qwen3", "--state-dir", str(tmp_path / "state")]
+    cmd += ["--hf-home", str(tmp_path / "hf")]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env)
     try:
@@ -235,6 +237,12 @@ def test_cli_serves_the_sdk(tmp_path) -> None:
         training = service.create_lora_training_client(BASE, rank=2).result()
         out = training.forward(rl_data(1)[0], "cross_entropy").result()
         assert np.isfinite(out.metrics["loss:sum"])
+        # the served name resolves in the hub cache to the tokenizer the server uses
+        repo = tmp_path / "hf" / "hub" / "models--Qwen--Qwen3-8B-Base"
+        snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text()
+        text = "User: What is 12 + 7?"
+        cached = AutoTokenizer.from_pretrained(snapshot)
+        assert cached.encode(text) == training.get_tokenizer().encode(text)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
