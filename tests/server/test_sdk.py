@@ -324,3 +324,22 @@ def test_a_resaved_sampler_path_serves_the_new_weights(server) -> None:
     new = service.create_sampling_client(model_path=path).compute_logprobs(tokens).result()
     assert abs(new[-1] - before[-1]) > 1e-3
     assert old.compute_logprobs(tokens).result() == before  # a live sampler keeps its snapshot
+
+
+def test_stop_ids_and_strings_include_the_terminator(server) -> None:
+    sampler = client(server).create_sampling_client(base_model=BASE)
+    tokenizer = build_preset("tiny-qwen3", seed=0)[1]
+    prompt = types.ModelInput.from_ints(tokenizer("What is 2 + 3?")["input_ids"])
+    free = types.SamplingParams(max_tokens=12, seed=5, stop=[])
+    never = sampler.sample(prompt, 1, free).result().sequences[0]
+    assert len(never.tokens) == 12 and never.stop_reason == "length"
+    stop_id = never.tokens[4]  # a token the same seed will sample again
+    first = never.tokens.index(stop_id)
+    by_id = types.SamplingParams(max_tokens=12, seed=5, stop=[stop_id])
+    seq = sampler.sample(prompt, 1, by_id).result().sequences[0]
+    assert seq.tokens == never.tokens[: first + 1] and seq.stop_reason == "stop"
+    text = tokenizer.decode(never.tokens[first + 1 : first + 3])
+    by_text = types.SamplingParams(max_tokens=12, seed=5, stop=[text])
+    seq = sampler.sample(prompt, 1, by_text).result().sequences[0]
+    assert seq.stop_reason == "stop" and tokenizer.decode(seq.tokens).endswith(text)
+    assert seq.tokens == never.tokens[: len(seq.tokens)]
