@@ -1,10 +1,11 @@
-"""`furlong` command line: demo | init-model | rollout-server | serve."""
+"""`furlong` command line: demo | train | init-model | rollout-server | serve."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from furlong.errors import InputError
 from furlong.models.presets import PRESETS
 
 
@@ -12,6 +13,20 @@ def _demo(args: argparse.Namespace) -> int:
     from furlong.demo import DemoConfig, run_demo
 
     run_demo(DemoConfig(model=args.model, steps=args.steps, out_dir=args.out, seed=args.seed))
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from furlong.rl.config import load_config
+    from furlong.rl.loop import train
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not config.endswith(".toml"):
+        config, overrides = None, [config, *overrides]  # only overrides were given
+    summary = train(load_config(config, overrides))
+    print(f"held-out before RL: {summary.before}")
+    print(f"held-out after RL:  {summary.after} ({summary.seconds:.0f} s)")
+    print(f"metrics and curves in {summary.out_dir}; policy: {summary.hf_dir}")
     return 0
 
 
@@ -64,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", help="metrics.jsonl and loss.png go here")
     demo.set_defaults(func=_demo)
 
+    train = sub.add_parser("train", help="RL post-training from a TOML config")
+    train.add_argument("config", nargs="?", help="a TOML file ([model], [rollout], [algo], ...)")
+    train.add_argument("overrides", nargs="*", help="group.field=value, e.g. rollout.group_size=4")
+    train.set_defaults(func=_train)
+
     init = sub.add_parser("init-model", help="write a seeded tiny preset as an HF directory")
     init.add_argument("--preset", required=True, choices=sorted(PRESETS))
     init.add_argument("--out", required=True)
@@ -111,7 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except InputError as e:  # a user error: the message names what to change
+        print(f"furlong {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,10 @@ class TrainingEngine:
         self.params = [p for _, p in named]
         self.optimizer = build_adamw(self.params)
         self.step = 0
+        # while asleep (colocation): the trainable weights by name and each one's optimizer
+        # state tensors, in host memory; the live tensors are empty
+        self.host_weights: dict[str, torch.Tensor] | None = None
+        self._host_optim: list[dict[str, torch.Tensor]] = []
         self.vocab_size = int(self.model.get_output_embeddings().out_features)
         self.input_vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         chunk = self.config.logprob_chunk_size
@@ -141,6 +145,7 @@ class TrainingEngine:
         sampling_masks: Sequence[Any] | None,
         backward: bool,
     ) -> ForwardResult:
+        self._check_awake("forward_backward" if backward else "forward")
         objective, config = validate_batch(
             datums,
             loss_fn,
@@ -255,6 +260,7 @@ class TrainingEngine:
     # ---------------------------------------------------------------- optimizer
 
     def optim_step(self, adam_params: AdamParams | None = None) -> dict[str, float]:
+        self._check_awake("optim_step")
         metrics = optimizer_step(self.params, self.optimizer, adam_params or AdamParams())
         if not metrics["skipped_nonfinite:sum"]:
             self.step += 1
@@ -269,6 +275,7 @@ class TrainingEngine:
     def save_state(self, path: str | os.PathLike, info: Mapping[str, Any] | None = None) -> Path:
         """Weights (the trainable subset, or the whole model) + optimizer state, atomically
         (temp dir + rename). ``info``: JSON values stored alongside, checked by ``load_state``."""
+        self._check_awake("save_state")
         return ckpt.save_training_state(
             path,
             self.model,
@@ -289,6 +296,7 @@ class TrainingEngine:
 
         Everything (kind, ``expect_info`` against the saved info, names, shapes) is checked
         before anything changes."""
+        self._check_awake("load_state")
         tensors, opt_tensors, meta = ckpt.read_training_state(path)
         ckpt.check_kind(meta, ckpt.KIND_PARAMS if self.subset else ckpt.KIND_MODEL)
         ckpt.check_info(meta, expect_info or {})
@@ -311,9 +319,71 @@ class TrainingEngine:
 
     def export_hf(self, path: str | os.PathLike) -> Path:
         """A normal HF directory that ``AutoModelForCausalLM.from_pretrained`` loads."""
+        self._check_awake("export_hf")
         if self.tokenizer is None:
             raise InputError("export_hf: the engine has no tokenizer to export")
         return save_hf_dir(self.model, self.tokenizer, path)
+
+    # ---------------------------------------------------------------- colocation
+
+    def sleep(self) -> int:
+        """Copy the trainable parameters and the optimizer state to host memory and release
+        their device storage, for a colocated rollout engine. While asleep ``host_weights``
+        holds the weights by name (what to publish) and every pass raises. Returns the bytes
+        moved."""
+        if self.host_weights is not None:
+            raise InputError("sleep: the engine is already asleep; wake() first")
+        if any(p.grad is not None for p in self.params):
+            raise InputError("sleep: gradients are pending; optim_step() or zero_grad() first")
+        weights = {
+            n: p.data.to("cpu", copy=True)
+            for n, p in zip(self.param_names, self.params, strict=True)
+        }
+        optim = [
+            {k: v.to("cpu", copy=True) for k, v in self._optim_tensors(p).items()}
+            for p in self.params
+        ]
+        for p in self.params:  # empty placeholders keep each tensor's dtype and device
+            p.data = p.data.new_empty(0)
+            state = self.optimizer.state.get(p, {})
+            for k, v in self._optim_tensors(p).items():
+                state[k] = v.new_empty(0)
+        self.host_weights, self._host_optim = weights, optim
+        self.clear_caches()
+        return _nbytes(weights.values()) + sum(_nbytes(s.values()) for s in optim)
+
+    def wake(self) -> int:
+        """Restore exactly what :meth:`sleep` moved (bit-identical) and free the host backup.
+        Returns the bytes moved."""
+        if self.host_weights is None:
+            raise InputError("wake: the engine is not asleep; sleep() first")
+        moved = 0
+        for n, p, saved in zip(self.param_names, self.params, self._host_optim, strict=True):
+            p.data = self.host_weights[n].to(p.device)
+            state = self.optimizer.state.get(p, {})
+            for k, v in saved.items():
+                state[k] = v.to(state[k].device)
+            moved += self.host_weights[n].nbytes + _nbytes(saved.values())
+        self.host_weights, self._host_optim = None, []
+        return moved
+
+    def clear_caches(self) -> None:
+        """Return the allocator's cached device blocks (CUDA), e.g. before a colocated engine
+        loads its weights."""
+        if torch.device(self.config.device).type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _optim_tensors(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        state = self.optimizer.state.get(p, {})  # get: indexing would add an empty entry
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+    def _check_awake(self, where: str) -> None:
+        if self.host_weights is not None:
+            raise InputError(f"{where}: the engine is asleep (weights in host memory); wake first")
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.nbytes for t in tensors)
 
 
 def _check_trainable(

@@ -1,0 +1,145 @@
+"""The PPO critic: a causal LM's trunk (decoder stack + final norm) with a scalar value head.
+
+The LM head is never part of the critic: the trunk is loaded or copied alone, so a tied
+embedding stays with the policy and ``lm_head.weight`` ([V, H]) can never be mapped onto the
+value head ([1, H]). Loading HF weights into an existing critic hides the head from the load
+and restores it in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from safetensors import SafetensorError
+from transformers import AutoModel, PreTrainedModel
+
+from furlong.errors import InputError
+from furlong.models.presets import PRESETS, build_preset
+
+HEAD_STD = 0.02
+
+
+class ValueModel(torch.nn.Module):
+    """``values[b, t]``: the critic's estimate after reading tokens ``0..t`` of row ``b``."""
+
+    def __init__(self, trunk: torch.nn.Module, seed: int = 0):
+        super().__init__()
+        self.trunk = trunk
+        self.config = trunk.config
+        weight = next(trunk.parameters())
+        self.value_head = init_value_head(
+            trunk.config.hidden_size, seed, dtype=weight.dtype, device=weight.device
+        )
+        _check_untied(self)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        hidden_BTH = self.trunk(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
+        return self.value_head(hidden_BTH).squeeze(-1).float()
+
+
+def init_value_head(
+    hidden: int, seed: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.nn.Linear:
+    """``Linear(hidden, 1)``: weight ~ N(0, 0.02) from a generator seeded with ``seed``, bias 0.
+
+    Drawn in fp32 on CPU and then cast, so the init is the same for every dtype and device and
+    the global RNG is untouched."""
+    head = torch.nn.utils.skip_init(torch.nn.Linear, hidden, 1, bias=True)  # no RNG draw
+    with torch.no_grad():
+        torch.nn.init.normal_(
+            head.weight, 0.0, HEAD_STD, generator=torch.Generator().manual_seed(seed)
+        )
+        head.bias.zero_()
+    return head.to(device=device, dtype=dtype)
+
+
+def critic_from_pretrained(
+    spec: str | os.PathLike, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> ValueModel:
+    """A critic on a preset's trunk (the policy's weights for the same ``seed``) or on the
+    trunk of a local HF causal-LM directory; the head keeps its fresh init."""
+    return ValueModel(load_trunk(spec, seed=seed, dtype=dtype), seed=seed)
+
+
+def critic_from_policy(model: PreTrainedModel, seed: int = 0) -> ValueModel:
+    """A critic on a deep copy of an in-memory policy's trunk: no storage is shared, so
+    training the critic never moves the policy (or its tied embedding)."""
+    return ValueModel(copy.deepcopy(_trunk_of(model)), seed=seed)
+
+
+def load_trunk(
+    spec: str | os.PathLike, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """The trunk alone: its loader is never asked for a value-head parameter."""
+    spec = str(spec)
+    if spec in PRESETS:
+        model, _ = build_preset(spec, seed=seed)
+        return _trunk_of(model).to(dtype)
+    if not (os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "config.json"))):
+        raise InputError(f"critic: {spec!r} is neither a preset nor a local HF model directory")
+    try:
+        base, info = AutoModel.from_pretrained(spec, dtype=dtype, output_loading_info=True)
+    except (OSError, ValueError, SafetensorError) as exc:  # unreadable or corrupt files
+        raise InputError(f"critic: cannot load the trunk of {spec!r} ({exc})") from None
+    if info["missing_keys"]:
+        raise InputError(f"critic: {spec!r} lacks trunk weights {sorted(info['missing_keys'])[:5]}")
+    return _trunk_of(base)
+
+
+@contextmanager
+def hidden_head(critic: ValueModel) -> Iterator[torch.nn.Linear]:
+    """Detach the head from the critic for the duration; it is put back even on error."""
+    head = critic._modules.pop("value_head")
+    try:
+        yield head
+    finally:
+        critic._modules["value_head"] = head
+
+
+def load_hf_trunk(critic: ValueModel, spec: str | os.PathLike) -> None:
+    """Overwrite an existing critic's trunk from a preset or HF directory (e.g. the actor's
+    load path when there is no critic checkpoint). The head is hidden for the whole load, so
+    the strict key match is against the trunk alone, and it is kept as it was."""
+    dtype = next(critic.trunk.parameters()).dtype
+    with hidden_head(critic):
+        source = load_trunk(spec, dtype=dtype).state_dict()
+        tensors = {f"trunk.{k}": v for k, v in source.items()}
+        _check_shapes(critic.state_dict(), tensors)  # all of it before the first copy
+        critic.load_state_dict(tensors, strict=True)
+
+
+def _trunk_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack + final norm; for vision-language wrappers, the inner language model."""
+    trunk = model.get_decoder() if hasattr(model, "get_decoder") else model
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and any(m is head for m in trunk.modules()):
+        raise InputError(f"critic: {type(model).__name__} has no trunk separable from its LM head")
+    return trunk
+
+
+def _check_shapes(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    if set(expected) != set(tensors):
+        missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+        raise InputError(f"critic: trunk mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, t in tensors.items():
+        if t.shape != expected[name].shape:
+            raise InputError(
+                f"critic: {name} has shape {tuple(t.shape)} in the source, "
+                f"{tuple(expected[name].shape)} in the critic"
+            )
+
+
+def _check_untied(critic: ValueModel) -> None:
+    """The head must own its storage (a tied embedding would train the policy's input layer)."""
+    trunk_ptrs = {t.untyped_storage().data_ptr() for t in critic.trunk.state_dict().values()}
+    for name, p in critic.value_head.named_parameters():
+        if p.untyped_storage().data_ptr() in trunk_ptrs:
+            raise InputError(f"critic: value_head.{name} shares storage with the trunk")

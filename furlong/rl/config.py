@@ -1,0 +1,261 @@
+"""Typed RL configuration, grouped by part; loaded from TOML and overridden on the CLI.
+
+    furlong train run.toml rollout.group_size=4 algo.advantage=gae critic.warmup_steps=5
+
+Each ``[table]`` of the TOML file fills one group; ``group.field=value`` overrides parse the
+value as a TOML literal (so ``4``, ``1e-3``, ``true`` and ``["kv_cache"]`` all work; bare words
+are strings). :meth:`RLConfig.validate` rejects incompatible combinations and says what to
+change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from furlong.errors import InputError
+from furlong.rl.tasks import REWARDS
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "small-qwen3"  # preset or local HF directory
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    name: str = "addition"  # addition | jsonl
+    path: str = ""  # the JSONL file for name = "jsonl"
+    reward: str = "exact_number"
+    max_a: int = 99  # addition: a in [0, max_a], b in [0, max_b]
+    max_b: int = 9
+    eval_size: int = 0  # held-out problems to evaluate; 0: all of them
+    eval_samples: int = 4  # sampled pass@1 draws per held-out problem (0: greedy only)
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """Supervised warm-up on the task's train split before RL (0 steps: none)."""
+
+    steps: int = 0
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    prompts_per_step: int = 16
+    group_size: int = 8  # samples per prompt
+    max_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off; top_p < 1 or top_k > 0 turns sampling-mask replay on
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    advantage: str = "grpo"  # grpo | gae (PPO with the critic) | reinforce_pp
+    objective: str = "importance_sampling"  # importance_sampling | ppo | cispo | dro
+    clip_low: float | None = None  # ratio bounds for ppo / cispo (None: objective default)
+    clip_high: float | None = None
+    dro_beta: float | None = None
+    normalize: str = "token"  # token: / response tokens in the batch; sequence: / (len * seqs)
+    scale_by_std: bool = True  # GRPO: divide by the group's std
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: float = 0.0  # KL-in-reward to a frozen copy of the starting policy
+    learning_rate: float = 1e-3
+    grad_clip_norm: float = 1.0
+    minibatches: int = 1  # optimizer steps per rollout batch
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """Used by ``algo.advantage = "gae"`` only."""
+
+    learning_rate: float = 3e-3
+    warmup_steps: int = 0  # critic-only steps before the actor trains
+    value_clip: float | None = 0.2
+
+
+@dataclass(frozen=True)
+class ColocateConfig:
+    """Trainer and rollout engine share the device; see ``furlong.rl.handoff``."""
+
+    enabled: bool = False
+    offload_rollout_level: list[str] = field(default_factory=lambda: ["kv_cache", "weight"])
+    memory_peak_device: str = "cpu"  # cpu | gpu
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int = 60
+    eval_every: int = 10
+    out_dir: str = "runs/rl"
+    seed: int = 0
+    export_hf: bool = True  # write the final policy as an HF directory
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    colocate: ColocateConfig = field(default_factory=ColocateConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.algo.advantage == "gae"
+
+    @property
+    def loss_fn_config(self) -> dict[str, float]:
+        a = self.algo
+        pairs = {"clip_low_threshold": a.clip_low, "clip_high_threshold": a.clip_high}
+        pairs["beta"] = a.dro_beta
+        return {k: v for k, v in pairs.items() if v is not None}
+
+    def validate(self) -> RLConfig:
+        """Reject incompatible settings with a message that says what to change."""
+        a, r = self.algo, self.rollout
+        _one_of("algo.advantage", a.advantage, ("grpo", "gae", "reinforce_pp"))
+        _one_of("algo.objective", a.objective, ("importance_sampling", "ppo", "cispo", "dro"))
+        _one_of("algo.normalize", a.normalize, ("token", "sequence"))
+        _one_of("task.reward", self.task.reward, tuple(REWARDS))
+        for name, value in [
+            ("rollout.prompts_per_step", r.prompts_per_step),
+            ("rollout.group_size", r.group_size),
+            ("rollout.max_tokens", r.max_tokens),
+            ("algo.minibatches", a.minibatches),
+            ("run.eval_every", self.run.eval_every),
+        ]:
+            if value < 1:
+                raise InputError(f"{name}: must be >= 1, got {value}")
+        if a.advantage == "grpo" and r.group_size < 2:
+            raise InputError(
+                "rollout.group_size: GRPO compares samples of one prompt, so it needs >= 2 "
+                f"(got {r.group_size}); or set algo.advantage = 'gae' or 'reinforce_pp'"
+            )
+        batch = r.prompts_per_step * r.group_size
+        if batch % a.minibatches:
+            raise InputError(
+                f"algo.minibatches: {a.minibatches} does not divide the batch of {batch} "
+                "samples (rollout.prompts_per_step * rollout.group_size)"
+            )
+        if (a.clip_low is not None or a.clip_high is not None) and a.objective not in (
+            "ppo",
+            "cispo",
+        ):
+            raise InputError(
+                f"algo.clip_low/clip_high: only ppo and cispo clip; algo.objective is "
+                f"{a.objective!r}"
+            )
+        if a.dro_beta is not None and a.objective != "dro":
+            raise InputError("algo.dro_beta: only for algo.objective = 'dro'")
+        if not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1:
+            raise InputError("algo.gamma and algo.lam: must be in [0, 1]")
+        if a.kl_coef < 0:
+            raise InputError(f"algo.kl_coef: must be >= 0, got {a.kl_coef}")
+        if self.critic.warmup_steps and not self.uses_critic:
+            raise InputError("critic.warmup_steps: needs the critic (algo.advantage = 'gae')")
+        if self.colocate.enabled:
+            self.handoff().validate(has_critic=self.uses_critic)
+        return self
+
+    def handoff(self) -> Any:
+        from furlong.rl.handoff import HandoffConfig
+
+        c = self.colocate
+        return HandoffConfig(
+            offload_rollout_level=frozenset(c.offload_rollout_level),
+            memory_peak_device=c.memory_peak_device,
+        )
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise InputError(f"{name}: unknown {value!r}; expected one of {list(allowed)}")
+
+
+# ------------------------------------------------------------------ loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RLConfig:
+    """Defaults ← TOML file ← ``group.field=value`` overrides, then validated."""
+    raw: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    for i, item in enumerate(overrides):
+        key, sep, value = item.partition("=")
+        group, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise InputError(f"overrides[{i}]: {item!r} is not group.field=value")
+        raw.setdefault(group, {})[name] = _literal(value.strip())
+    return from_dict(raw).validate()
+
+
+def _literal(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word: a string
+
+
+def from_dict(raw: dict[str, Any]) -> RLConfig:
+    groups = {f.name: f for f in dataclasses.fields(RLConfig)}
+    built = {}
+    for group, values in raw.items():
+        if group not in groups:
+            raise InputError(f"config: unknown group [{group}]; expected one of {list(groups)}")
+        if not isinstance(values, dict):
+            raise InputError(f"config: [{group}] must be a table")
+        cls = groups[group].default_factory()
+        built[group] = _build(type(cls), values, group)
+    return RLConfig(**built)
+
+
+def _build(cls: type, values: dict[str, Any], group: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    out = {}
+    for name, value in values.items():
+        if name not in fields:
+            raise InputError(f"{group}.{name}: unknown field; expected one of {sorted(fields)}")
+        out[name] = _coerce(value, hints[name], f"{group}.{name}")
+    return cls(**out)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    """Check ``value`` against a field's type (ints widen to floats; None only if optional)."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for option in options:
+        if option is type(None) and value is None:
+            return None
+        if option is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option in (str, bool) and type(value) is option:
+            return value
+        if (
+            typing.get_origin(option) is list
+            and isinstance(value, list)
+            and all(isinstance(v, str) for v in value)  # list[str]: the only list field
+        ):
+            return list(value)
+    raise InputError(f"{where}: expected {_describe(hint)}, got {value!r}")
+
+
+def _describe(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")

@@ -1,0 +1,75 @@
+"""Episodes: one sampled response to one prompt, and the datums the trainers learn from.
+
+A datum's ``model_input`` is ``(prompt + response)[:-1]`` and its targets ``[1:]``, so the
+response occupies the last ``len(response)`` target positions; prompt positions carry zero
+advantage and weight. Sampling masks cover exactly those response positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from furlong.rl.tasks import Problem, Task
+from furlong.rollout.base import GenerateResult
+from furlong.rollout.sampling import SamplingParams
+from furlong.types import Datum
+
+
+def render_prompt(tokenizer: Any, text: str) -> list[int]:
+    """The user's message in the chat template, ready for the assistant's turn."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer(rendered)["input_ids"]
+
+
+@dataclass
+class Episode:
+    problem: Problem
+    result: GenerateResult
+    text: str  # the decoded response (special tokens dropped)
+    reward: float = 0.0
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.result.prompt_ids
+
+    @property
+    def response(self) -> list[int]:
+        return self.result.output_ids
+
+    def datum(self, inputs: dict[str, torch.Tensor]) -> Datum:
+        """``inputs`` hold response-length tensors; prompt positions are zero-filled."""
+        tokens = self.prompt + self.response
+        pad = len(self.prompt) - 1
+        full = {k: torch.cat([torch.zeros(pad, dtype=v.dtype), v]) for k, v in inputs.items()}
+        return Datum(tokens[:-1], {"target_tokens": tokens[1:], **full})
+
+
+def generate_episodes(
+    engine: Any,
+    tokenizer: Any,
+    problems: Sequence[Problem],
+    group_size: int,
+    params: SamplingParams,
+    task: Task,
+) -> list[Episode]:
+    """``group_size`` samples per problem (consecutive), scored by the task's verifier."""
+    prompts = [render_prompt(tokenizer, p.prompt) for p in problems]
+    seed = params.seed
+    per_sample = [
+        dataclasses.replace(params, seed=None if seed is None else seed + i)
+        for i in range(len(problems) * group_size)
+    ]
+    results = engine.generate([p for p in prompts for _ in range(group_size)], per_sample)
+    episodes = []
+    for i, result in enumerate(results):
+        problem = problems[i // group_size]
+        text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        episodes.append(Episode(problem, result, text, task.reward(text, problem)))
+    return episodes

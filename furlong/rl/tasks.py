@@ -1,0 +1,137 @@
+"""Tasks and rewards: a task is a problem set (train / held-out split) plus a verifier.
+
+Built-in: ``addition`` (synthetic, verifiable arithmetic) and ``jsonl`` (``{"prompt": ...,
+"answer": ...}`` per line, an optional ``"split": "train" | "eval"``; without it every tenth
+line is held out). Rewards are looked up by name in :data:`REWARDS`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from furlong.errors import InputError
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str  # the user's message (rendered with the chat template by the loop)
+    answer: str  # what the verifier compares against
+
+
+Verifier = Callable[[str, Problem], float]
+_NUMBER = re.compile(r"-?\d+")
+
+
+def exact_number(response: str, problem: Problem) -> float:
+    """1 when the first number in the response equals the answer, else 0."""
+    found = _NUMBER.search(response)
+    return float(found is not None and found.group() == problem.answer.strip())
+
+
+def exact_match(response: str, problem: Problem) -> float:
+    """1 when the stripped response equals the stripped answer."""
+    return float(response.strip() == problem.answer.strip())
+
+
+def contains(response: str, problem: Problem) -> float:
+    return float(problem.answer.strip() in response)
+
+
+REWARDS: dict[str, Verifier] = {
+    "exact_number": exact_number,
+    "exact_match": exact_match,
+    "contains": contains,
+}
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    train: list[Problem]
+    eval: list[Problem]
+    reward: Verifier
+
+    def sample(self, n: int, rng: random.Random) -> list[Problem]:
+        return [rng.choice(self.train) for _ in range(n)]
+
+
+def _held_out(key: str, share: float) -> bool:
+    """A stable split: the same problem is always on the same side."""
+    digest = hashlib.sha256(key.encode()).digest()
+    return int.from_bytes(digest[:4], "big") / 2**32 < share
+
+
+def addition(max_a: int = 99, max_b: int = 9, held_out: float = 0.2) -> tuple[list, list]:
+    """``What is a + b?`` for 0 <= a <= max_a, 0 <= b <= max_b; held-out pairs never train."""
+    train, held = [], []
+    for a in range(max_a + 1):
+        for b in range(max_b + 1):
+            problem = Problem(f"What is {a} + {b}?", str(a + b))
+            (held if _held_out(f"{a}+{b}", held_out) else train).append(problem)
+    return train, held
+
+
+def largest(count: int = 4, held_out: float = 0.2) -> tuple[list, list]:
+    """``Which digit is largest: 3 8 1 5?`` over every string of ``count`` digits."""
+    train, held = [], []
+    for n in range(10**count):
+        digits = f"{n:0{count}d}"
+        problem = Problem(f"Which digit is largest: {' '.join(digits)}?", max(digits))
+        (held if _held_out(digits, held_out) else train).append(problem)
+    return train, held
+
+
+def reverse(count: int = 3, held_out: float = 0.2) -> tuple[list, list]:
+    """``Reverse 3 8 1`` -> ``183`` over every string of ``count`` digits."""
+    train, held = [], []
+    for n in range(10**count):
+        digits = f"{n:0{count}d}"
+        problem = Problem(f"Reverse {' '.join(digits)}", digits[::-1])
+        (held if _held_out(digits, held_out) else train).append(problem)
+    return train, held
+
+
+def jsonl(path: str | Path) -> tuple[list, list]:
+    train, held = [], []
+    lines = Path(path).read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            problem = Problem(str(row["prompt"]), str(row["answer"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise InputError(f"task.path: line {i + 1} of {path}: {e}") from None
+        split = row.get("split")
+        if split not in (None, "train", "eval"):
+            raise InputError(f"task.path: line {i + 1}: split must be train or eval")
+        is_eval = split == "eval" if split else i % 10 == 9
+        (held if is_eval else train).append(problem)
+    if not train or not held:
+        raise InputError(f"task.path: {path} needs both train and eval problems")
+    return train, held
+
+
+def build_task(name: str, reward: str, path: str = "", max_a: int = 99, max_b: int = 9) -> Task:
+    if reward not in REWARDS:
+        raise InputError(f"task.reward: unknown {reward!r}; expected one of {sorted(REWARDS)}")
+    if name == "addition":
+        train, held = addition(max_a, max_b)
+    elif name == "largest":
+        train, held = largest(max_a)
+    elif name == "reverse":
+        train, held = reverse(max_a)
+    elif name == "jsonl":
+        if not path:
+            raise InputError("task.path: required for task.name = 'jsonl'")
+        train, held = jsonl(path)
+    else:
+        raise InputError(f"task.name: unknown {name!r}; expected 'addition' or 'jsonl'")
+    random.Random(0).shuffle(held)  # any prefix (task.eval_size) is a fair sample
+    return Task(name, train, held, REWARDS[reward])

@@ -1,0 +1,72 @@
+"""Supervised warm-up and held-out evaluation, both on a task's problems in chat form."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from furlong.rl.config import WarmupConfig
+from furlong.rl.episodes import generate_episodes, render_prompt
+from furlong.rl.tasks import Problem, Task
+from furlong.rollout.sampling import SamplingParams
+from furlong.train.engine import TrainingEngine
+from furlong.types import AdamParams, Datum
+
+
+def sft_datum(tokenizer: Any, problem: Problem, scale: float = 1.0) -> Datum:
+    """The chat-formatted problem with its answer; weight ``scale`` on the answer tokens."""
+    prompt = render_prompt(tokenizer, problem.prompt)
+    answer = answer_ids(tokenizer, problem)
+    tokens = prompt + answer
+    weights = torch.tensor([0.0] * (len(prompt) - 1) + [scale] * len(answer))
+    return Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": weights})
+
+
+def answer_ids(tokenizer: Any, problem: Problem) -> list[int]:
+    return tokenizer(problem.answer + tokenizer.eos_token)["input_ids"]
+
+
+def supervised_warmup(
+    engine: TrainingEngine, task: Task, config: WarmupConfig, rng: random.Random
+) -> list[float]:
+    """``config.steps`` cross-entropy steps; the client-side normalization is per answer token.
+    Returns the per-step mean loss."""
+    adam = AdamParams(learning_rate=config.learning_rate)
+    losses = []
+    for _ in range(config.steps):
+        problems = task.sample(config.batch_size, rng)
+        total = sum(len(answer_ids(engine.tokenizer, p)) for p in problems)
+        batch = [sft_datum(engine.tokenizer, p, 1.0 / total) for p in problems]
+        out = engine.forward_backward(batch, "cross_entropy")
+        engine.optim_step(adam)
+        losses.append(out.metrics["loss:sum"])
+    return losses
+
+
+def evaluate(
+    rollout: Any,
+    tokenizer: Any,
+    task: Task,
+    problems: Sequence[Problem],
+    params: SamplingParams,
+    samples: int,
+) -> dict[str, float]:
+    """Held-out accuracy (mean reward): greedy, and pass@1 sampled with the rollout's own
+    settings averaged over ``samples`` draws per problem (fixed seeds: comparable across
+    evaluations)."""
+    greedy = dataclasses.replace(params, temperature=0.0, top_k=0, top_p=1.0, seed=None)
+    greedy = dataclasses.replace(greedy, return_sampling_mask=False)
+    out = {"eval_greedy": _accuracy(rollout, tokenizer, task, problems, greedy, 1)}
+    if samples:
+        sampled = dataclasses.replace(params, seed=12345, return_sampling_mask=False)
+        out["eval_pass1"] = _accuracy(rollout, tokenizer, task, problems, sampled, samples)
+    return out
+
+
+def _accuracy(rollout, tokenizer, task, problems, params, samples) -> float:
+    episodes = generate_episodes(rollout, tokenizer, problems, samples, params, task)
+    return sum(e.reward for e in episodes) / len(episodes)

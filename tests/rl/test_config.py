@@ -1,0 +1,97 @@
+"""RL config: TOML + CLI overrides, types, and validation messages that say what to change;
+tasks and verifiers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from furlong.errors import InputError
+from furlong.rl.config import RLConfig, load_config
+from furlong.rl.tasks import Problem, addition, build_task, exact_number, jsonl
+
+
+def test_toml_then_overrides(tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        '[model]\nname = "tiny-qwen3"\n'
+        "[rollout]\ngroup_size = 4\nmax_tokens = 6\n"
+        '[algo]\nobjective = "ppo"\nclip_low = 0.8\nlearning_rate = 1e-3\n'
+        '[colocate]\nenabled = true\noffload_rollout_level = ["kv_cache"]\n'
+    )
+    config = load_config(
+        path, ["rollout.group_size=2", "algo.clip_high=2", "run.out_dir=/tmp/x", "algo.lam=1"]
+    )
+    assert config.model.name == "tiny-qwen3"
+    assert config.rollout.group_size == 2 and config.rollout.max_tokens == 6
+    assert config.algo.clip_high == 2.0 and isinstance(config.algo.clip_high, float)
+    assert config.algo.lam == 1.0 and config.run.out_dir == "/tmp/x"
+    assert config.loss_fn_config == {"clip_low_threshold": 0.8, "clip_high_threshold": 2.0}
+    assert config.colocate.offload_rollout_level == ["kv_cache"]
+    assert load_config() == RLConfig()
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["rollout.group_size=1"], "GRPO compares samples of one prompt"),
+        (["algo.minibatches=3"], "does not divide the batch of 128"),
+        (["algo.clip_low=0.5"], "only ppo and cispo clip"),
+        (["algo.dro_beta=0.1"], "only for algo.objective = 'dro'"),
+        (
+            ["algo.advantage=gae", "colocate.enabled=true", "colocate.memory_peak_device=gpu"],
+            "critic",
+        ),
+        (["critic.warmup_steps=2"], "needs the critic"),
+        (["algo.objective=cross_entropy"], "algo.objective: unknown 'cross_entropy'"),
+        (["algo.normalize=batch"], "algo.normalize"),
+        (["task.reward=nope"], "task.reward: unknown 'nope'"),
+        (["rollout.group_size=two"], "rollout.group_size: expected int, got 'two'"),
+        (["rollout.top_p=true"], "rollout.top_p: expected float"),
+        (["algo.clipp=1"], "algo.clipp: unknown field"),
+        (["optim.lr=1"], r"unknown group \[optim\]"),
+        (["group_size=2"], r"overrides\[0\]: 'group_size=2' is not group.field=value"),
+        (["algo.gamma=1.5"], "algo.gamma and algo.lam"),
+    ],
+)
+def test_validation_says_what_to_change(overrides, match) -> None:
+    with pytest.raises(InputError, match=match):
+        load_config(None, overrides)
+
+
+def test_gae_replaces_the_group_requirement() -> None:
+    config = load_config(None, ["algo.advantage=gae", "rollout.group_size=1"])
+    assert config.uses_critic
+
+
+def test_addition_split_is_stable_and_disjoint() -> None:
+    train, held = addition(9, 9)
+    assert len(train) + len(held) == 100 and 10 <= len(held) <= 30
+    assert not {p.prompt for p in train} & {p.prompt for p in held}
+    assert addition(9, 9) == (train, held)
+    assert Problem("What is 3 + 4?", "7") in train + held
+
+
+def test_exact_number_reads_the_first_number() -> None:
+    problem = Problem("What is 3 + 4?", "7")
+    assert exact_number("7", problem) == 1.0
+    assert exact_number(" 7 apples", problem) == 1.0
+    assert exact_number("17", problem) == 0.0
+    assert exact_number("no idea", problem) == 0.0
+    assert exact_number("6, no 7", problem) == 0.0
+
+
+def test_jsonl_task(tmp_path) -> None:
+    path = tmp_path / "data.jsonl"
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(12)]
+    rows[0]["split"] = "eval"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    task = build_task("jsonl", "exact_match", str(path))
+    assert sorted(p.prompt for p in task.eval) == ["q0", "q9"]  # explicit split, every 10th line
+    assert len(task.train) == 10
+    path.write_text('{"prompt": "a", "answer": "b"}\n{"prompt": "c"}\n')
+    with pytest.raises(InputError, match="line 2"):
+        jsonl(path)
+    with pytest.raises(InputError, match="task.path: required"):
+        build_task("jsonl", "exact_match")
