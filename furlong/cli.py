@@ -10,9 +10,9 @@ from furlong.models.presets import PRESETS
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from furlong.demo import DemoConfig, run_demo
+    from furlong.demo import demo_config, run_demo
 
-    run_demo(DemoConfig(model=args.model, steps=args.steps, out_dir=args.out, seed=args.seed))
+    run_demo(demo_config(args.algo, args.out, f"run.seed={args.seed}", *args.overrides))
     return 0
 
 
@@ -72,11 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="furlong", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="train a tiny offline model on CPU and show the loss fall")
-    demo.add_argument("--model", default="small-qwen3", help="preset name or local HF directory")
-    demo.add_argument("--steps", type=int, default=300)
+    demo = sub.add_parser("demo", help="RL on a tiny offline model on CPU: watch accuracy rise")
+    demo.add_argument("--algo", choices=["grpo", "ppo"], default="grpo")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--out", default="runs/demo", help="metrics.jsonl and loss.png go here")
+    demo.add_argument("--out", default="runs/demo", help="metrics, curves.png and the policy")
+    demo.add_argument("overrides", nargs="*", help="group.field=value, as for furlong train")
     demo.set_defaults(func=_demo)
 
     train = sub.add_parser("train", help="RL post-training from a TOML config")

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from furlong import cli
-from furlong.demo import DemoConfig, run_demo
+from furlong.demo import demo_config, run_demo
 from furlong.metrics import read_metrics
 from furlong.models import PRESETS, build_preset
 
@@ -115,24 +115,43 @@ def test_bad_preset_subprocess(runs) -> None:
     assert not out.exists()
 
 
-def test_demo_smoke(tmp_path: Path) -> None:
-    result = run_demo(DemoConfig(model="tiny-qwen3", steps=12, batch_size=8, out_dir=str(tmp_path)))
-    assert {"first_loss", "last_loss", "eval_loss", "accuracy"} <= result.keys()
-    assert result["last_loss"] < result["first_loss"]
-    assert 0.0 <= result["accuracy"] <= 1.0
+def test_demo_smoke(tmp_path: Path, capsys) -> None:
+    """The demo's pipeline at toy size: warm-up, RL, summary, and outputs that parse."""
+    config = demo_config(
+        "grpo",
+        str(tmp_path),
+        "model.name=tiny-qwen3",
+        "warmup.steps=4",
+        "task.eval_size=8",
+        "task.eval_samples=1",
+        "rollout.prompts_per_step=2",
+        "rollout.group_size=2",
+        "run.steps=3",
+        "run.eval_every=2",
+        "run.progress=false",
+    )
+    summary = run_demo(config)
+    printed = capsys.readouterr().out
+    assert "held-out greedy" in printed and "held-out pass1" in printed
+    assert summary.before.keys() == summary.after.keys() == {"eval_greedy", "eval_pass1"}
 
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 12
-    rows = [json.loads(line) for line in lines]
-    assert rows == read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, 13))
-    for r in rows:
-        assert {"step", "loss", "grad_norm"} <= r.keys()
-        assert torch.isfinite(torch.tensor([r["loss"], r["grad_norm"]])).all()
-    assert rows[0]["loss"] == pytest.approx(result["first_loss"])
-    assert rows[-1]["loss"] == pytest.approx(result["last_loss"])
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0]["eval_greedy"] == summary.before["eval_greedy"]
+    assert rows[-1]["eval_greedy"] == summary.after["eval_greedy"]
+    for r in rows[1:]:
+        for key in ("reward:mean", "entropy:mean", "grad_norm:mean", "rollout_tokens_per_s"):
+            assert torch.isfinite(torch.tensor(r[key])), key
+    assert "eval_pass1" in rows[2] and "eval_pass1" not in rows[1]
+    warm = read_metrics(tmp_path / "warmup.jsonl")
+    assert [r["step"] for r in warm] == [1, 2, 3, 4] and all(r["loss"] > 0 for r in warm)
 
-    png = tmp_path / "loss.png"
-    assert png.exists()
+    png = tmp_path / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert AutoModelForCausalLM.from_pretrained(summary.hf_dir).config.vocab_size == 768
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_demo_rejects_a_bad_override(capsys) -> None:
+    assert cli.main(["demo", "--out", "/nonexistent/x", "rollout.group_size=1"]) == 2
+    assert "rollout.group_size" in capsys.readouterr().err

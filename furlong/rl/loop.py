@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from furlong.metrics import MetricsLog, plot_metrics
 from furlong.models.loading import load_model
+from furlong.models.moe import find_routers
 from furlong.rl import advantages as adv
 from furlong.rl.config import RLConfig
 from furlong.rl.episodes import Episode, generate_episodes
@@ -60,9 +61,14 @@ def train(config: RLConfig) -> RunSummary:
     task = build_task(t.name, t.reward, t.path, t.max_a, t.max_b)
     held_out = task.eval[: t.eval_size] if t.eval_size else task.eval
     if config.warmup.steps:
-        supervised_warmup(TrainingEngine(policy, tokenizer), task, config.warmup, rng)
+        warmup = TrainingEngine(policy, tokenizer)
+        losses = supervised_warmup(warmup, task, config.warmup, rng, run.progress)
+        warm_log = MetricsLog(out / "warmup.jsonl")
+        for i, loss in enumerate(losses, 1):
+            warm_log.write(i, {"loss": loss})
     actor = TrainingEngine(policy, tokenizer)  # a fresh optimizer for RL
-    rollout = EmbeddedEngine(copy.deepcopy(policy), tokenizer, fast_forward=True)
+    batch = ro.prompts_per_step * ro.group_size
+    rollout = EmbeddedEngine(copy.deepcopy(policy), tokenizer, max_running=batch, fast_forward=True)
     reference = TrainingEngine(copy.deepcopy(policy)) if algo.kl_coef else None
     critic = _critic(config, policy)
     colocation = _colocation(config, actor, rollout)
@@ -74,6 +80,7 @@ def train(config: RLConfig) -> RunSummary:
         top_p=ro.top_p,
         top_k=ro.top_k,
         return_sampling_mask=ro.top_p < 1.0 or ro.top_k > 0,  # replay the kept sets
+        return_routed_experts=bool(find_routers(policy)),  # MoE: replay the routes (R3)
     )
     evaluate_now = functools.partial(
         evaluate, rollout, tokenizer, task, held_out, params, t.eval_samples
@@ -171,12 +178,20 @@ def _episode_metrics(episodes: list[Episode], seconds: float) -> dict[str, float
 def _kl_to_reference(
     reference: TrainingEngine | None, episodes: list[Episode], temperature: float
 ) -> list[torch.Tensor] | None:
-    """Per response token ``log p_sampler - log p_ref`` (the k1 estimator)."""
+    """Per response token ``log p_sampler - log p_ref`` (the k1 estimator). The reference is
+    scored over the rollout's kept sets, like the actor, so truncation is not counted as KL;
+    it routes MoE tokens itself (it is a different model from the one that sampled)."""
     if reference is None:
         return None
     data = [e.datum({"weights": torch.zeros(len(e.response))}) for e in episodes]
+    masks = [e.result.sampling_mask for e in episodes]
     with torch.no_grad():
-        out = reference.forward(data, "cross_entropy", temperature=temperature or 1.0)
+        out = reference.forward(
+            data,
+            "cross_entropy",
+            temperature=temperature or 1.0,
+            sampling_masks=masks if any(m is not None for m in masks) else None,
+        )
     return [
         torch.tensor(e.result.output_logprobs) - o["logprobs"][-len(e.response) :]
         for e, o in zip(episodes, out.outputs, strict=True)
@@ -240,17 +255,31 @@ def _train_actor(
             for i, e, s in zip(part, chosen, scale, strict=True)
         ]
         masks = [e.result.sampling_mask for e in chosen]
+        routes = [e.result.routed_experts for e in chosen]
         out = actor.forward_backward(
             data,
             algo.objective,
             config.loss_fn_config,
             temperature=ro.temperature or 1.0,
             sampling_masks=masks if any(m is not None for m in masks) else None,
+            routed_experts=routes if any(r is not None for r in routes) else None,
         )
+        if "logprob_diff:mean" not in metrics:  # first minibatch: the trainer is on-policy
+            metrics["logprob_diff:mean"] = _logprob_diff(chosen, out.outputs)
         step = actor.optim_step(adam)
         metrics["actor_loss:sum"] = metrics.get("actor_loss:sum", 0.0) + out.metrics["loss:sum"]
         metrics["grad_norm:mean"] = step["grad_norm:mean"]
     return metrics
+
+
+def _logprob_diff(episodes: list[Episode], outputs: list[dict[str, torch.Tensor]]) -> float:
+    """Mean |trainer - rollout| log-prob of the sampled tokens: the train/inference mismatch
+    (fp32 on one device: ~1e-6; a jump means the two sides score different distributions)."""
+    diffs = [
+        (o["logprobs"][-len(e.response) :] - torch.tensor(e.result.output_logprobs)).abs()
+        for e, o in zip(episodes, outputs, strict=True)
+    ]
+    return float(torch.cat(diffs).mean())
 
 
 def _train_critic(

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from furlong.rl.config import WarmupConfig
 from furlong.rl.episodes import generate_episodes, render_prompt
@@ -31,19 +32,25 @@ def answer_ids(tokenizer: Any, problem: Problem) -> list[int]:
 
 
 def supervised_warmup(
-    engine: TrainingEngine, task: Task, config: WarmupConfig, rng: random.Random
+    engine: TrainingEngine,
+    task: Task,
+    config: WarmupConfig,
+    rng: random.Random,
+    progress: bool = False,
 ) -> list[float]:
     """``config.steps`` cross-entropy steps; the client-side normalization is per answer token.
     Returns the per-step mean loss."""
     adam = AdamParams(learning_rate=config.learning_rate)
     losses = []
-    for _ in range(config.steps):
+    bar = tqdm(range(config.steps), desc="warm-up", disable=not progress)
+    for _ in bar:
         problems = task.sample(config.batch_size, rng)
         total = sum(len(answer_ids(engine.tokenizer, p)) for p in problems)
         batch = [sft_datum(engine.tokenizer, p, 1.0 / total) for p in problems]
         out = engine.forward_backward(batch, "cross_entropy")
         engine.optim_step(adam)
         losses.append(out.metrics["loss:sum"])
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
     return losses
 
 

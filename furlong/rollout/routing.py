@@ -12,9 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-
-def find_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+from furlong.models.moe import find_routers
 
 
 class RoutingRecorder:

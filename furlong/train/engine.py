@@ -37,6 +37,7 @@ from furlong.train.logprobs import (
 from furlong.train.objectives import Objective, datum_losses
 from furlong.train.optim import build_adamw, optimizer_step
 from furlong.train.replay import concat_supports, row_supports
+from furlong.train.routing_replay import check_routing, forced_rows, replay_routing
 from furlong.train.validation import validate_batch
 from furlong.types import AdamParams, Datum, ForwardResult
 
@@ -112,10 +113,17 @@ class TrainingEngine:
         *,
         temperature: float = 1.0,
         sampling_masks: Sequence[Any] | None = None,
+        routed_experts: Sequence[Any] | None = None,
     ) -> ForwardResult:
         """The loss pass without backward: real losses and log-probs, gradients untouched."""
         return self._run(
-            datums, loss_fn, loss_fn_config, temperature, sampling_masks, backward=False
+            datums,
+            loss_fn,
+            loss_fn_config,
+            temperature,
+            sampling_masks,
+            routed_experts,
+            backward=False,
         )
 
     def forward_backward(
@@ -126,14 +134,23 @@ class TrainingEngine:
         *,
         temperature: float = 1.0,
         sampling_masks: Sequence[Any] | None = None,
+        routed_experts: Sequence[Any] | None = None,
     ) -> ForwardResult:
         """The loss pass; gradients of the raw sum accumulate until ``optim_step``.
 
         ``sampling_masks`` (one per datum, or None) replays the rollout's kept sets: a mask of
         ``n`` positions covers the datum's last ``n`` targets (the response), which are then
-        scored over their kept set instead of the whole vocabulary."""
+        scored over their kept set instead of the whole vocabulary. ``routed_experts`` (one
+        ``[len(datum), layers, top_k]`` tensor per datum, or None) replays an MoE rollout's
+        expert choices (see ``furlong.train.routing_replay``)."""
         return self._run(
-            datums, loss_fn, loss_fn_config, temperature, sampling_masks, backward=True
+            datums,
+            loss_fn,
+            loss_fn_config,
+            temperature,
+            sampling_masks,
+            routed_experts,
+            backward=True,
         )
 
     def _run(
@@ -143,6 +160,7 @@ class TrainingEngine:
         loss_fn_config: Mapping[str, object] | None,
         temperature: float,
         sampling_masks: Sequence[Any] | None,
+        routed_experts: Sequence[Any] | None,
         backward: bool,
     ) -> ForwardResult:
         self._check_awake("forward_backward" if backward else "forward")
@@ -156,6 +174,7 @@ class TrainingEngine:
         if not (isinstance(temperature, int | float) and temperature > 0):
             raise InputError(f"temperature: must be > 0, got {temperature!r}")
         supports = row_supports(datums, sampling_masks)
+        routing = check_routing(self.model, datums, routed_experts)
         outputs: list[dict[str, torch.Tensor] | None] = [None] * len(datums)
         loss_sum = 0.0
         plan = plan_microbatches([len(d) for d in datums], self.config.max_tokens_per_microbatch)
@@ -170,8 +189,12 @@ class TrainingEngine:
             group_supports = (
                 None if supports is None else concat_supports([supports[i] for i in group])
             )
+            forced = None
+            if routing is not None:
+                parts = [routing[i] if i != PADDING else None for i in group]
+                forced = forced_rows(parts, mb.lengths, mb.input_ids.shape[1])
             total, results = self.run_microbatch(
-                mb, objective, config, temperature, backward, group_supports
+                mb, objective, config, temperature, backward, group_supports, forced
             )
             loss_sum += total
             for index, out in results:
@@ -195,9 +218,11 @@ class TrainingEngine:
         temperature: float,
         backward: bool,
         supports: RowSupports | None = None,
+        forced_routing: torch.Tensor | None = None,
     ) -> tuple[float, list[tuple[int, dict[str, torch.Tensor]]]]:
         """One forward (and backward) pass; per-datum outputs come back in the return value."""
-        with torch.set_grad_enabled(backward):
+        # replay spans backward too: activation checkpointing re-runs the routers there
+        with torch.set_grad_enabled(backward), replay_routing(self.model, forced_routing):
             hidden = self._hidden_rows(mb)
             loss = functools.partial(
                 self._loss,

@@ -78,3 +78,22 @@ def test_ppo_with_a_critic_improves_the_reward(tmp_path, short_reward) -> None:
     assert "grad_norm:mean" in rows[2]
     assert rows[2]["host_peak_bytes:max"] > 0  # the colocated hand-off ran
     assert summary.hf_dir is None
+
+
+def test_moe_with_top_p_and_kl_replays_masks_and_routes(tmp_path, short_reward) -> None:
+    """Sampling-mask replay (top-p < 1) and routing replay (MoE) keep the trainer on the
+    rollout's distribution: its log-probs of the sampled tokens match the rollout's, and the
+    KL to the frozen start is zero at step 1 (same weights, same kept sets) and grows."""
+    _, rows, _ = run(
+        tmp_path,
+        "model.name=tiny-qwen3-moe",
+        "rollout.top_p=0.8",
+        "algo.kl_coef=0.05",
+        "run.steps=6",
+        "run.eval_every=6",
+        "run.export_hf=false",
+    )
+    steps = [r for r in rows if r["step"] > 0]
+    assert all(r["logprob_diff:mean"] < 1e-4 for r in steps)
+    assert abs(steps[0]["kl:mean"]) < 1e-5
+    assert steps[-1]["kl:mean"] > 1e-3
