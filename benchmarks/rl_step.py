@@ -77,6 +77,7 @@ def furlong_worker(model_dir: str, steps: int, out_dir: str) -> dict[str, Any]:
         "algo.normalize=token",
         "algo.scale_by_std=true",
         "algo.kl_coef=0.0",
+        "run.log_kl=false",  # TRL with beta = 0 keeps no reference model either
         "algo.minibatches=1",
         f"algo.learning_rate={LR}",
         f"algo.grad_clip_norm={GRAD_CLIP}",

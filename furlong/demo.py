@@ -23,8 +23,8 @@ DEMO = [
     "rollout.group_size=8",
     "rollout.max_tokens=6",
     "algo.learning_rate=5e-4",
-    "run.steps=60",
-    "run.eval_every=10",
+    "run.steps=150",
+    "run.eval_every=15",
 ]
 PPO = ["algo.advantage=gae", "algo.objective=ppo", "critic.warmup_steps=2"]
 

@@ -24,17 +24,22 @@ from furlong.rl.tasks import REWARDS
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "small-qwen3"  # preset or local HF directory
-    seed: int = 0
+    """The policy to train (the critic, when used, starts from the same weights)."""
+
+    # a preset (tiny-qwen3, small-qwen3, tiny-qwen3-moe, ...) or a local HF directory
+    name: str = "small-qwen3"
+    seed: int = 0  # seed of a preset's random weights
 
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: str = "addition"  # addition | jsonl
+    """Problems and the verifier that rewards a response."""
+
+    name: str = "addition"  # addition | largest | reverse | jsonl
     path: str = ""  # the JSONL file for name = "jsonl"
-    reward: str = "exact_number"
-    max_a: int = 99  # addition: a in [0, max_a], b in [0, max_b]
-    max_b: int = 9
+    reward: str = "exact_number"  # the verifier: exact_number | exact_match | contains
+    max_a: int = 99  # addition: a in [0, max_a]; largest / reverse: digits per string
+    max_b: int = 9  # addition: b in [0, max_b]
     eval_size: int = 0  # held-out problems to evaluate; 0: all of them
     eval_samples: int = 4  # sampled pass@1 draws per held-out problem (0: greedy only)
 
@@ -43,35 +48,39 @@ class TaskConfig:
 class WarmupConfig:
     """Supervised warm-up on the task's train split before RL (0 steps: none)."""
 
-    steps: int = 0
-    batch_size: int = 32
-    learning_rate: float = 3e-3
+    steps: int = 0  # cross-entropy steps on the train split (0: no warm-up)
+    batch_size: int = 32  # problems per step
+    learning_rate: float = 3e-3  # AdamW
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    prompts_per_step: int = 16
+    """Sampling: one RL step draws ``prompts_per_step * group_size`` responses."""
+
+    prompts_per_step: int = 16  # problems drawn per RL step
     group_size: int = 8  # samples per prompt
-    max_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_tokens: int = 8  # new tokens per sample at most
+    temperature: float = 1.0  # the trainer scores at the same temperature
+    top_p: float = 1.0  # nucleus sampling; < 1 turns sampling-mask replay on
     top_k: int = 0  # 0: off; top_p < 1 or top_k > 0 turns sampling-mask replay on
 
 
 @dataclass(frozen=True)
 class AlgoConfig:
+    """Advantages, the actor objective and its optimizer."""
+
     advantage: str = "grpo"  # grpo | gae (PPO with the critic) | reinforce_pp
     objective: str = "importance_sampling"  # importance_sampling | ppo | cispo | dro
-    clip_low: float | None = None  # ratio bounds for ppo / cispo (None: objective default)
-    clip_high: float | None = None
-    dro_beta: float | None = None
+    clip_low: float | None = None  # lower ratio bound for ppo / cispo (None: the objective default)
+    clip_high: float | None = None  # upper ratio bound for ppo / cispo
+    dro_beta: float | None = None  # dro's quadratic penalty (None: the objective default)
     normalize: str = "token"  # token: / response tokens in the batch; sequence: / (len * seqs)
     scale_by_std: bool = True  # GRPO: divide by the group's std
-    gamma: float = 1.0
-    lam: float = 0.95
+    gamma: float = 1.0  # discount (gae, reinforce_pp)
+    lam: float = 0.95  # GAE lambda
     kl_coef: float = 0.0  # KL-in-reward to a frozen copy of the starting policy
-    learning_rate: float = 1e-3
-    grad_clip_norm: float = 1.0
+    learning_rate: float = 1e-3  # the actor's AdamW learning rate
+    grad_clip_norm: float = 1.0  # global-norm clip (0: off)
     minibatches: int = 1  # optimizer steps per rollout batch
 
 
@@ -79,28 +88,32 @@ class AlgoConfig:
 class CriticConfig:
     """Used by ``algo.advantage = "gae"`` only."""
 
-    learning_rate: float = 3e-3
+    learning_rate: float = 3e-3  # the critic's own AdamW learning rate
     warmup_steps: int = 0  # critic-only steps before the actor trains
-    value_clip: float | None = 0.2
+    value_clip: float | None = 0.2  # clip new values to old +- this (None: unclipped loss)
 
 
 @dataclass(frozen=True)
 class ColocateConfig:
     """Trainer and rollout engine share the device; see ``furlong.rl.handoff``."""
 
-    enabled: bool = False
+    enabled: bool = False  # run the hand-off events around every generate and publish
+    # what the rollout releases while the trainer runs: kv_cache and / or weight
     offload_rollout_level: list[str] = field(default_factory=lambda: ["kv_cache", "weight"])
-    memory_peak_device: str = "cpu"  # cpu | gpu
+    memory_peak_device: str = "cpu"  # cpu: host holds mirror + backup; gpu: one at a time
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    steps: int = 60
-    eval_every: int = 10
-    out_dir: str = "runs/rl"
-    seed: int = 0
+    """Length, evaluation and outputs of the run."""
+
+    steps: int = 60  # RL steps
+    eval_every: int = 10  # held-out evaluation every this many steps (and at the end)
+    out_dir: str = "runs/rl"  # metrics.jsonl, warmup.jsonl, curves.png, policy/
+    seed: int = 0  # problems, sampling and the critic's head
     export_hf: bool = True  # write the final policy as an HF directory
-    progress: bool = True
+    log_kl: bool = True  # report KL to the starting policy without a penalty (one more forward)
+    progress: bool = True  # progress bars
 
 
 @dataclass(frozen=True)

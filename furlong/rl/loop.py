@@ -34,7 +34,7 @@ from furlong.rollout.sampling import SamplingParams
 from furlong.train.engine import TrainingEngine
 from furlong.types import AdamParams
 
-PLOTTED = ("reward:mean", "eval_pass1", "eval_greedy", "entropy:mean", "grad_norm:mean")
+PLOTTED = ("reward:mean", "eval_pass1", "eval_greedy", "kl:mean", "entropy:mean", "grad_norm:mean")
 
 
 @dataclass
@@ -69,7 +69,8 @@ def train(config: RLConfig) -> RunSummary:
     actor = TrainingEngine(policy, tokenizer)  # a fresh optimizer for RL
     batch = ro.prompts_per_step * ro.group_size
     rollout = EmbeddedEngine(copy.deepcopy(policy), tokenizer, max_running=batch, fast_forward=True)
-    reference = TrainingEngine(copy.deepcopy(policy)) if algo.kl_coef else None
+    keep_reference = algo.kl_coef > 0 or run.log_kl
+    reference = TrainingEngine(copy.deepcopy(policy)) if keep_reference else None
     critic = _critic(config, policy)
     colocation = _colocation(config, actor, rollout)
 

@@ -1,8 +1,9 @@
 """Tasks and rewards: a task is a problem set (train / held-out split) plus a verifier.
 
-Built-in: ``addition`` (synthetic, verifiable arithmetic) and ``jsonl`` (``{"prompt": ...,
-"answer": ...}`` per line, an optional ``"split": "train" | "eval"``; without it every tenth
-line is held out). Rewards are looked up by name in :data:`REWARDS`.
+Built-in: ``addition``, ``largest`` and ``reverse`` (synthetic and verifiable; a stable fifth
+held out by hash) and ``jsonl`` (``{"prompt": ..., "answer": ...}`` per line, an optional
+``"split": "train" | "eval"``; without it every tenth line is held out).
+Rewards are looked up by name in :data:`REWARDS`.
 """
 
 from __future__ import annotations

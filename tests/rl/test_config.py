@@ -3,11 +3,14 @@ tasks and verifiers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 from furlong.errors import InputError
+from furlong.rl import config_doc
 from furlong.rl.config import RLConfig, load_config
 from furlong.rl.tasks import Problem, addition, build_task, exact_number, jsonl
 
@@ -95,3 +98,16 @@ def test_jsonl_task(tmp_path) -> None:
         jsonl(path)
     with pytest.raises(InputError, match="task.path: required"):
         build_task("jsonl", "exact_match")
+
+
+def test_the_docs_config_reference_is_up_to_date() -> None:
+    """docs/rl.md's reference is generated from the config classes; regenerate it with
+    ``python -m furlong.rl.config_doc docs/rl.md`` when a field changes."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "rl.md").read_text()
+    assert config_doc.reference() in page
+    for group in dataclasses.fields(RLConfig):
+        for f in dataclasses.fields(type(group.default_factory())):
+            assert f"| `{f.name}` |" in page, f"{group.name}.{f.name}"
+            assert config_doc.field_comments(type(group.default_factory()))[f.name], (
+                f"{group.name}.{f.name} has no comment to document it"
+            )
