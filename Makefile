@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint docs bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,8 +26,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check furlong tests benchmarks
 	$(PY) -m ruff format --check furlong tests benchmarks
 
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict
+
 bench: $(STAMP)
 	$(PY) benchmarks/logprobs_memory.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site

@@ -223,7 +223,9 @@ def worker_main(side: str, model_dir: str, steps: int, threads: int) -> None:
 # ------------------------------------------------------------------ driver
 
 
-def run_worker(python: str, side: str, model_dir: Path, steps: int, threads: int) -> dict:
+def run_worker(
+    python: str, side: str, model_dir: Path, steps: int, threads: int, max_tokens: int
+) -> dict:
     env = os.environ | {
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
@@ -233,6 +235,7 @@ def run_worker(python: str, side: str, model_dir: Path, steps: int, threads: int
     }
     cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--model-dir", str(model_dir)]
     cmd += ["--worker-steps", str(steps), "--threads", str(threads)]
+    cmd += ["--max-tokens", str(max_tokens)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
@@ -271,10 +274,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads, both")
     parser.add_argument("--trl-python", default=sys.executable, help="interpreter with trl")
     parser.add_argument("--quick", action="store_true", help="1 round, 1 + 3 steps per side")
+    parser.add_argument(
+        "--max-tokens", type=int, default=MAX_TOKENS, help="new tokens per completion at most"
+    )
     parser.add_argument("--worker", choices=("furlong", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--worker-steps", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global MAX_TOKENS  # both workers read it; a longer generation shifts the step's balance
+    MAX_TOKENS = args.max_tokens
     if args.worker:
         worker_main(args.worker, args.model_dir, args.worker_steps, args.threads)
         return
@@ -300,7 +308,10 @@ def main() -> None:
         ratios: list[float] = []
         for i in range(args.rounds):
             order = ("furlong", "trl") if i % 2 == 0 else ("trl", "furlong")  # cancel drift
-            results = {s: run_worker(pythons[s], s, model_dir, total, args.threads) for s in order}
+            results = {
+                s: run_worker(pythons[s], s, model_dir, total, args.threads, args.max_tokens)
+                for s in order
+            }
             ours = results["furlong"]["seconds"][args.warmup :]
             theirs = results["trl"]["seconds"][args.warmup :]
             ours_all += ours
