@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from furlong import cli
 from furlong.demo import demo_config, run_demo
 from furlong.metrics import read_metrics
 from furlong.models import PRESETS, build_preset
+from furlong.rl.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBPROCESS_PRESETS = ["tiny-qwen3", "tiny-qwen3-moe"]
@@ -145,6 +145,8 @@ def test_demo_smoke(tmp_path: Path, capsys) -> None:
     assert "eval_pass1" in rows[2] and "eval_pass1" not in rows[1]
     warm = read_metrics(tmp_path / "warmup.jsonl")
     assert [r["step"] for r in warm] == [1, 2, 3, 4] and all(r["loss"] > 0 for r in warm)
+
+    assert load_config(tmp_path / "config.toml") == config  # the run can be rerun as is
 
     png = tmp_path / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,5 @@
-"""Tiny models built from config with seeded random weights: transformers' own Qwen3 classes."""
+"""Tiny models built from config with seeded random weights: transformers' own Qwen3 and Llama
+classes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    LlamaConfig,
     PretrainedConfig,
     PreTrainedModel,
     Qwen3Config,
@@ -79,6 +81,19 @@ PRESETS: dict[str, Preset] = {
                 head_dim=64,
             ),
             "Qwen3 dense: hidden 256, 4 layers, vocab 768; the CPU demo.",
+        ),
+        Preset(
+            "small-llama",
+            LlamaConfig,
+            dict(
+                hidden_size=256,
+                intermediate_size=768,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+            ),
+            "Llama dense: hidden 256, 4 layers, vocab 768; the Llama-style recipe.",
         ),
     )
 }

@@ -11,12 +11,16 @@ change.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from furlong.errors import InputError
 from furlong.rl.tasks import REWARDS
@@ -29,6 +33,8 @@ class ModelConfig:
     # a preset (tiny-qwen3, small-qwen3, tiny-qwen3-moe, ...) or a local HF directory
     name: str = "small-qwen3"
     seed: int = 0  # seed of a preset's random weights
+    device: str = "cpu"  # cpu | cuda | cuda:N: trainer, critic and rollout engine share it
+    dtype: str = "float32"  # float32 | bfloat16 (keep float32 on CPU: bf16 is emulated there)
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,12 @@ class RLConfig:
         _one_of("algo.objective", a.objective, ("importance_sampling", "ppo", "cispo", "dro"))
         _one_of("algo.normalize", a.normalize, ("token", "sequence"))
         _one_of("task.reward", self.task.reward, tuple(REWARDS))
+        _one_of("model.dtype", self.model.dtype, ("float32", "bfloat16"))
+        device = self.model.device
+        if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+            raise InputError(f"model.device: {device!r}; expected cpu, cuda or cuda:N")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise InputError(f"model.device: {device!r}, but torch sees no CUDA device")
         for name, value in [
             ("rollout.prompts_per_step", r.prompts_per_step),
             ("rollout.group_size", r.group_size),
@@ -216,6 +228,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RL
             raise InputError(f"overrides[{i}]: {item!r} is not group.field=value")
         raw.setdefault(group, {})[name] = _literal(value.strip())
     return from_dict(raw).validate()
+
+
+def to_toml(config: RLConfig) -> str:
+    """The whole config as TOML that :func:`load_config` reads back to an equal config (every
+    value is a str, number, bool or list of str, whose JSON spelling is valid TOML; None
+    fields are left out, None being their default)."""
+    lines: list[str] = []
+    for group in dataclasses.fields(config):
+        lines.append(f"[{group.name}]")
+        values = dataclasses.asdict(getattr(config, group.name))
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _literal(text: str) -> Any:

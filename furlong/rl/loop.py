@@ -25,13 +25,13 @@ from furlong.metrics import MetricsLog, plot_metrics
 from furlong.models.loading import load_model
 from furlong.models.moe import find_routers
 from furlong.rl import advantages as adv
-from furlong.rl.config import RLConfig
+from furlong.rl.config import RLConfig, to_toml
 from furlong.rl.episodes import Episode, generate_episodes
 from furlong.rl.tasks import build_task
 from furlong.rl.warmup import evaluate, supervised_warmup
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sampling import SamplingParams
-from furlong.train.engine import TrainingEngine
+from furlong.train.engine import EngineConfig, TrainingEngine
 from furlong.types import AdamParams
 
 PLOTTED = ("reward:mean", "eval_pass1", "eval_greedy", "kl:mean", "entropy:mean", "grad_norm:mean")
@@ -53,24 +53,30 @@ def train(config: RLConfig) -> RunSummary:
     run, ro, algo = config.run, config.rollout, config.algo
     out = Path(run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out / "config.toml", to_toml(config))  # `furlong train` reruns it
     rng = random.Random(run.seed)
     torch.manual_seed(run.seed)
 
-    policy, tokenizer = load_model(config.model.name, seed=config.model.seed)
+    m = config.model
+    engine_config = EngineConfig(device=m.device)
+    policy, tokenizer = load_model(m.name, seed=m.seed, dtype=getattr(torch, m.dtype))
+    policy = policy.to(m.device)
     t = config.task
     task = build_task(t.name, t.reward, t.path, t.max_a, t.max_b)
     held_out = task.eval[: t.eval_size] if t.eval_size else task.eval
     if config.warmup.steps:
-        warmup = TrainingEngine(policy, tokenizer)
+        warmup = TrainingEngine(policy, tokenizer, engine_config)
         losses = supervised_warmup(warmup, task, config.warmup, rng, run.progress)
         warm_log = MetricsLog(out / "warmup.jsonl")
         for i, loss in enumerate(losses, 1):
             warm_log.write(i, {"loss": loss})
-    actor = TrainingEngine(policy, tokenizer)  # a fresh optimizer for RL
+    actor = TrainingEngine(policy, tokenizer, engine_config)  # a fresh optimizer for RL
     batch = ro.prompts_per_step * ro.group_size
     rollout = EmbeddedEngine(copy.deepcopy(policy), tokenizer, max_running=batch, fast_forward=True)
     keep_reference = algo.kl_coef > 0 or run.log_kl
-    reference = TrainingEngine(copy.deepcopy(policy)) if keep_reference else None
+    reference = (
+        TrainingEngine(copy.deepcopy(policy), None, engine_config) if keep_reference else None
+    )
     critic = _critic(config, policy)
     colocation = _colocation(config, actor, rollout)
 
@@ -141,7 +147,10 @@ def _critic(config: RLConfig, policy: Any) -> Any:
     from furlong.train.critic_engine import CriticConfig, CriticEngine
 
     model = critic_from_policy(policy, seed=config.run.seed)
-    return CriticEngine(model, CriticConfig(value_clip=config.critic.value_clip))
+    model = model.to(config.model.device)
+    return CriticEngine(
+        model, CriticConfig(value_clip=config.critic.value_clip, device=config.model.device)
+    )
 
 
 def _colocation(config: RLConfig, actor: TrainingEngine, rollout: EmbeddedEngine) -> Any:
@@ -152,6 +161,12 @@ def _colocation(config: RLConfig, actor: TrainingEngine, rollout: EmbeddedEngine
     colocation = Colocation(actor, rollout, config.handoff(), has_critic=config.uses_critic)
     colocation.startup(lambda: None, functools.partial(_publish, actor, rollout, 0))
     return colocation
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def _short(accuracy: dict[str, float]) -> dict[str, str]:

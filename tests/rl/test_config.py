@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from furlong.errors import InputError
 from furlong.rl import config_doc
-from furlong.rl.config import RLConfig, load_config
+from furlong.rl.config import RLConfig, load_config, to_toml
 from furlong.rl.tasks import Problem, addition, build_task, exact_number, jsonl
 
 
@@ -56,6 +57,8 @@ def test_toml_then_overrides(tmp_path) -> None:
         (["optim.lr=1"], r"unknown group \[optim\]"),
         (["group_size=2"], r"overrides\[0\]: 'group_size=2' is not group.field=value"),
         (["algo.gamma=1.5"], "algo.gamma and algo.lam"),
+        (["model.device=tpu"], "model.device: 'tpu'; expected cpu, cuda or cuda:N"),
+        (["model.dtype=float16"], "model.dtype: unknown 'float16'"),
     ],
 )
 def test_validation_says_what_to_change(overrides, match) -> None:
@@ -111,3 +114,30 @@ def test_the_docs_config_reference_is_up_to_date() -> None:
             assert config_doc.field_comments(type(group.default_factory()))[f.name], (
                 f"{group.name}.{f.name} has no comment to document it"
             )
+
+
+def test_to_toml_round_trips(tmp_path) -> None:
+    config = load_config(
+        None,
+        [
+            "model.name=tiny-qwen3",
+            'task.name="reverse"',
+            "algo.advantage=gae",
+            "algo.objective=ppo",
+            "algo.clip_low=0.7",
+            "critic.value_clip=0.5",
+            'colocate.offload_rollout_level=["kv_cache"]',
+            "colocate.enabled=true",
+            "run.out_dir=runs/x y",
+        ],
+    )
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(config))
+    assert load_config(path) == config
+    assert load_config(path) != RLConfig()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a CPU-only machine")
+def test_cuda_without_a_gpu_is_refused() -> None:
+    with pytest.raises(InputError, match="model.device: 'cuda', but torch sees no CUDA device"):
+        load_config(None, ["model.device=cuda"])
