@@ -48,6 +48,21 @@ def _rollout_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _session_server(args: argparse.Namespace) -> int:
+    from furlong.rollout.sessions.serve import serve
+
+    serve(
+        args.model,
+        args.host,
+        args.port,
+        args.pause_mode,
+        max_running=args.max_running,
+        seed=args.seed,
+        routing_replay=not args.no_routing_replay,
+    )
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from furlong.server.main import serve
 
@@ -99,6 +114,23 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--max-running", type=int, default=32, help="batch slots")
     rollout.add_argument("--seed", type=int, default=0, help="weights seed for a preset")
     rollout.set_defaults(func=_rollout_server)
+
+    sessions = sub.add_parser(
+        "session-server", help="OpenAI-compatible sessions for agents, with token-level records"
+    )
+    sessions.add_argument("--model", default="tiny-qwen3-moe", help="preset or local HF dir")
+    sessions.add_argument("--host", default="127.0.0.1")
+    sessions.add_argument("--port", type=int, default=8000)
+    sessions.add_argument(
+        "--pause-mode",
+        choices=["abort", "in_place", "retract"],
+        default="abort",
+        help="what in-flight turns do when weights are published",
+    )
+    sessions.add_argument("--no-routing-replay", action="store_true", help="MoE: no R3 rows")
+    sessions.add_argument("--max-running", type=int, default=32, help="batch slots")
+    sessions.add_argument("--seed", type=int, default=0, help="weights seed for a preset")
+    sessions.set_defaults(func=_session_server)
 
     serve = sub.add_parser("serve", help="the Tinker-compatible training service")
     serve.add_argument(

@@ -69,10 +69,11 @@ def test_replaying_the_models_own_choice_changes_nothing() -> None:
     recorded = []
     for d in datums:
         layers: list[torch.Tensor] = []
-        handles = [
-            r.register_forward_hook(lambda _m, _i, out: layers.append(out[2]))
-            for r in find_routers(e.model)
-        ]
+
+        def keep(_m, _i, out, layers=layers) -> None:
+            layers.append(out[2])
+
+        handles = [r.register_forward_hook(keep) for r in find_routers(e.model)]
         with torch.no_grad():
             e.model(input_ids=torch.as_tensor(d.model_input).view(1, -1))
         for h in handles:

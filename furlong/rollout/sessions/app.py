@@ -1,0 +1,142 @@
+"""The session server over HTTP (FastAPI). An agent harness only needs a session's base URL,
+``{server}/sessions/{id}/v1``, where it finds an OpenAI-compatible ``/chat/completions``.
+
+    POST   /sessions                           open: {"id", "base_url"}
+    GET    /sessions/{id}                      the checkpoint tokens and the turn records
+    POST   /sessions/{id}/v1/chat/completions  one turn (OpenAI request and response shape)
+    GET    /sessions/{id}/v1/models            the served model (OpenAI clients ask for it)
+    POST   /sessions/{id}/samples              the trajectory as training samples (JSON)
+    DELETE /sessions/{id}                      close (a turn in flight is aborted)
+    POST   /weights                            publish weights from a safetensors file or HF
+                                               directory, under the configured pause mode
+
+Errors use OpenAI's shape ``{"error": {"message", "type"}}``: 400 malformed requests (the
+message names the field), 404 unknown sessions, 422 routed-expert assembly failures (naming
+the record), 429 too many sessions, 503 a turn aborted by a weight update (retry it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from furlong.errors import InputError
+from furlong.rollout.sessions.r3 import AssemblyError
+from furlong.rollout.sessions.service import (
+    SessionNotFound,
+    SessionServer,
+    TooManySessions,
+    TurnAborted,
+)
+from furlong.rollout.sessions.wire import sample_to_json
+
+_ERRORS: dict[type[Exception], tuple[int, str]] = {
+    AssemblyError: (422, "assembly_error"),
+    InputError: (400, "invalid_request_error"),
+    SessionNotFound: (404, "not_found_error"),
+    TooManySessions: (429, "rate_limit_error"),
+    TurnAborted: (503, "turn_aborted"),
+}
+
+
+def _error(status: int, kind: str, message: str) -> JSONResponse:
+    headers = {"Retry-After": "1"} if status == 503 else None
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _body(request: Request, allowed: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The JSON object body ({} when empty); ``allowed`` rejects unknown keys."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise InputError(f"body: not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise InputError(f"body: expected a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - set(allowed)) if allowed is not None else []
+    if unknown:
+        raise InputError(f"body: unknown fields {unknown}; expected some of {list(allowed)}")
+    return body
+
+
+def create_app(server: SessionServer) -> FastAPI:
+    app = FastAPI(title="furlong session server")
+    app.state.sessions = server
+
+    for exc_type, (status, kind) in _ERRORS.items():
+
+        async def handler(_request: Request, exc: Exception, s=status, k=kind) -> JSONResponse:
+            return _error(s, k, str(exc.args[0]) if exc.args else type(exc).__name__)
+
+        app.add_exception_handler(exc_type, handler)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_schema(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, "invalid_request_error", f"request: {exc.errors()}")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "sessions": len(server.sessions)}
+
+    @app.post("/sessions")
+    async def open_session(request: Request) -> dict:
+        body = await _body(request, allowed=("return_sampling_mask",))
+        session = server.open(body.get("return_sampling_mask", False))
+        return {"id": session.id, "base_url": f"/sessions/{session.id}/v1"}
+
+    @app.get("/sessions/{session_id}")
+    async def session_info(session_id: str) -> dict:
+        session = server.get(session_id)
+        return {
+            "id": session.id,
+            "tokens": session.tokens,
+            "records": [r.summary(i) for i, r in enumerate(session.records)],
+            "use_addition_r3": server.use_addition_r3,
+            "routing_replay": server.replay,
+        }
+
+    @app.delete("/sessions/{session_id}")
+    async def close_session(session_id: str) -> dict:
+        await server.close(session_id)
+        return {"id": session_id, "deleted": True}
+
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def chat(session_id: str, request: Request) -> dict:
+        server.get(session_id)  # 404 before reading the body
+        return await server.chat(session_id, await _body(request))
+
+    @app.get("/sessions/{session_id}/v1/models")
+    async def models(session_id: str) -> dict:
+        server.get(session_id)
+        name = server.config.model_name
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "furlong"}]}
+
+    @app.post("/sessions/{session_id}/samples")
+    async def samples(session_id: str, request: Request) -> dict:
+        body = await _body(request, allowed=("reward", "max_length"))
+        sample = server.sample(session_id, body.get("reward"), body.get("max_length"))
+        return {"samples": [sample_to_json(sample)]}
+
+    @app.post("/weights")
+    async def publish(request: Request) -> dict:
+        """For a trainer in another process; in process, call ``server.publish_weights``."""
+        body = await _body(request, allowed=("path", "version"))
+        path, version = body.get("path"), body.get("version")
+        if not isinstance(path, str) or not Path(path).exists():
+            raise InputError(
+                f"path: expected an existing safetensors file or directory, got {path!r}"
+            )
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise InputError(f"version: expected an integer or null, got {version!r}")
+        new = await asyncio.to_thread(server.publish_weights, path, version)
+        return {"weight_version": new}
+
+    return app
