@@ -257,8 +257,13 @@ def _train_actor(
 ) -> dict[str, float]:
     algo, ro = config.algo, config.rollout
     adam = AdamParams(learning_rate=algo.learning_rate, grad_clip_norm=algo.grad_clip_norm)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = {"actor_skipped:sum": 0.0}
     for part in _minibatches(config, len(episodes)):
+        if not any(bool(advantages[i].any()) for i in part):
+            # no learning signal (e.g. every group all right or all wrong): a zero gradient
+            # would still move Adam's parameters through its momentum, so take no step
+            metrics["actor_skipped:sum"] += 1
+            continue
         chosen = [episodes[i] for i in part]
         scale = _token_scale(config, [len(e.response) for e in chosen])
         data = [

@@ -97,3 +97,18 @@ def test_moe_with_top_p_and_kl_replays_masks_and_routes(tmp_path, short_reward) 
     assert all(r["logprob_diff:mean"] < 1e-4 for r in steps)
     assert abs(steps[0]["kl:mean"]) < 1e-5
     assert steps[-1]["kl:mean"] > 1e-3
+
+
+def test_a_batch_without_signal_takes_no_step(tmp_path, monkeypatch) -> None:
+    """All rewards equal: every advantage is zero, and the policy must not move (a zero
+    gradient would still move Adam's parameters through its momentum after earlier steps)."""
+    from furlong.models import build_preset
+
+    monkeypatch.setitem(tasks.REWARDS, "constant", lambda response, problem: 1.0)
+    summary, rows, _ = run(tmp_path, "task.reward=constant", "run.steps=3", "run.eval_every=3")
+    assert [r["actor_skipped:sum"] for r in rows[1:]] == [1.0, 1.0, 1.0]
+    assert all("grad_norm:mean" not in r for r in rows[1:])
+    start, _ = build_preset("tiny-qwen3", seed=0)
+    final = AutoModelForCausalLM.from_pretrained(summary.hf_dir)
+    for name, p in start.state_dict().items():
+        assert torch.equal(final.state_dict()[name], p), name
