@@ -24,6 +24,7 @@ import torch
 
 from furlong.errors import InputError
 from furlong.rl.tasks import REWARDS
+from furlong.train.optim import OptimizerConfig
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class RLConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     colocate: ColocateConfig = field(default_factory=ColocateConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     @property

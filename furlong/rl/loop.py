@@ -25,8 +25,10 @@ from furlong.metrics import MetricsLog, plot_metrics
 from furlong.models.loading import load_model
 from furlong.models.moe import find_routers
 from furlong.rl import advantages as adv
+from furlong.rl import scale_out
 from furlong.rl.config import RLConfig, to_toml
 from furlong.rl.episodes import Episode, generate_episodes
+from furlong.rl.scale_out import ScaleOut
 from furlong.rl.tasks import build_task
 from furlong.rl.warmup import evaluate, supervised_warmup
 from furlong.rollout.engine import EmbeddedEngine
@@ -47,8 +49,12 @@ class RunSummary:
     hf_dir: Path | None
 
 
-def train(config: RLConfig) -> RunSummary:
+def train(config: RLConfig, scale: ScaleOut | None = None) -> RunSummary:
+    """``scale``: trainer ranks and Ray placement (``furlong.rl.scale_out``); default: one
+    process."""
     config.validate()
+    scale = scale or ScaleOut()
+    scale.check(config.colocate.enabled)
     start = time.perf_counter()
     run, ro, algo = config.run, config.rollout, config.algo
     out = Path(run.out_dir)
@@ -58,7 +64,7 @@ def train(config: RLConfig) -> RunSummary:
     torch.manual_seed(run.seed)
 
     m = config.model
-    engine_config = EngineConfig(device=m.device)
+    engine_config = EngineConfig(device=m.device, optimizer=config.optimizer)
     policy, tokenizer = load_model(m.name, seed=m.seed, dtype=getattr(torch, m.dtype))
     policy = policy.to(m.device)
     t = config.task
@@ -70,13 +76,15 @@ def train(config: RLConfig) -> RunSummary:
         warm_log = MetricsLog(out / "warmup.jsonl")
         for i, loss in enumerate(losses, 1):
             warm_log.write(i, {"loss": loss})
-    actor = TrainingEngine(policy, tokenizer, engine_config)  # a fresh optimizer for RL
     batch = ro.prompts_per_step * ro.group_size
-    rollout = EmbeddedEngine(copy.deepcopy(policy), tokenizer, max_running=batch, fast_forward=True)
+    if scale.enabled:  # trainer ranks (with Ray, the engines too) in other processes
+        actor, rollout = scale_out.build(scale, config, policy, tokenizer, batch)
+    else:
+        actor = TrainingEngine(policy, tokenizer, engine_config)  # a fresh optimizer for RL
+        rollout = EmbeddedEngine(copy.deepcopy(policy), tokenizer, max_running=batch)
     keep_reference = algo.kl_coef > 0 or run.log_kl
-    reference = (
-        TrainingEngine(copy.deepcopy(policy), None, engine_config) if keep_reference else None
-    )
+    frozen = EngineConfig(device=m.device)  # the reference never steps: no optimizer state
+    reference = TrainingEngine(copy.deepcopy(policy), None, frozen) if keep_reference else None
     critic = _critic(config, policy)
     colocation = _colocation(config, actor, rollout)
 
@@ -124,6 +132,7 @@ def train(config: RLConfig) -> RunSummary:
             metrics |= colocation.ledger.peaks()
         else:
             publish()
+        metrics |= scale_out.step_metrics(rollout)
         # 8. evaluate
         if step % run.eval_every == 0 or step == run.steps:
             accuracy = evaluate_now()
@@ -134,6 +143,7 @@ def train(config: RLConfig) -> RunSummary:
 
     plot_metrics(log.path, out / "curves.png", PLOTTED, title=f"furlong RL ({algo.advantage})")
     hf_dir = actor.export_hf(out / "policy") if run.export_hf else None
+    scale_out.close(actor, rollout)
     return RunSummary(before, accuracy, run.steps, time.perf_counter() - start, out, hf_dir)
 
 
@@ -174,6 +184,8 @@ def _short(accuracy: dict[str, float]) -> dict[str, str]:
 
 
 def _publish(actor: TrainingEngine, rollout: EmbeddedEngine, version: int) -> None:
+    if not isinstance(actor, TrainingEngine):  # a trainer group: rank 0 gathers the weights
+        return scale_out.publish(actor, rollout, version)
     from furlong.rl.handoff import trainer_weights  # the host copy while the trainer sleeps
 
     rollout.update_weights(trainer_weights(actor), version)

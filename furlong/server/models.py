@@ -21,7 +21,7 @@ import shutil
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -113,9 +113,15 @@ class ModelPool:
         assert tokenizer_dir is not None
         return tokenizer_dir
 
-    def create(self, model_id: str, base_model: str, lora: LoraSpec | None) -> TrainingModel:
-        """A LoRA model, or with ``lora`` None (only when ``full_finetune``) a full fine-tune."""
+    def create(
+        self, model_id: str, base_model: str, lora: LoraSpec | None, optimizer: str = "adamw"
+    ) -> TrainingModel:
+        """A LoRA model, or with ``lora`` None (only when ``full_finetune``) a full fine-tune;
+        ``optimizer``: the kind ("adamw" | "muon") on top of the pool's optimizer config."""
         base = self._lookup(base_model)
+        config = replace(
+            self.engine_config, optimizer=replace(self.engine_config.optimizer, kind=optimizer)
+        )
         if lora is None and not self.full_finetune:
             raise InputError("lora_config: required (full fine-tuning is off on this server)")
         if lora is not None and lora.rank > self.max_lora_rank:
@@ -128,9 +134,9 @@ class ModelPool:
             self._creating.add(model_id)
         try:
             if lora is None:
-                model = self._create_full(model_id, base)
+                model = self._create_full(model_id, base, config)
             else:
-                model = self._create_lora(model_id, base, lora)
+                model = self._create_lora(model_id, base, lora, config)
             with self._lock:
                 self._models[model_id] = model
         finally:
@@ -181,7 +187,9 @@ class ModelPool:
         base.tokenizer, base.tokenizer_dir = tokenizer, final
         base.model = model  # last: ``_loaded`` reads it without the lock
 
-    def _create_lora(self, model_id: str, base: _Base, spec: LoraSpec) -> TrainingModel:
+    def _create_lora(
+        self, model_id: str, base: _Base, spec: LoraSpec, engine_config: EngineConfig
+    ) -> TrainingModel:
         with base.lock:
             self._load(base)
             config = peft_lora.peft_config(base.model, spec)
@@ -195,7 +203,7 @@ class ModelPool:
                 engine = TrainingEngine(
                     base.peft,
                     base.tokenizer,
-                    self.engine_config,
+                    engine_config,
                     trainable=peft_lora.adapter_params(base.peft, name),
                 )
             except BaseException:
@@ -203,12 +211,12 @@ class ModelPool:
                 raise
         return TrainingModel(model_id, base, engine, base.lock, adapter=name, spec=spec)
 
-    def _create_full(self, model_id: str, base: _Base) -> TrainingModel:
+    def _create_full(self, model_id: str, base: _Base, config: EngineConfig) -> TrainingModel:
         with base.lock:
             self._load(base)
             model = copy.deepcopy(base.model)
         model.requires_grad_(True)
-        engine = TrainingEngine(model, base.tokenizer, self.engine_config)
+        engine = TrainingEngine(model, base.tokenizer, config)
         return TrainingModel(model_id, base, engine, threading.Lock(), adapter=None, spec=None)
 
 

@@ -30,7 +30,10 @@ from furlong.server.futures import Failure, FutureStore
 from furlong.server.models import LoraSpec, ModelPool, TrainingModel, sampling_model
 from furlong.server.ordering import CommandLog
 from furlong.server.state import CheckpointRef, StateDir, check_name, iso_time
+from furlong.train import checkpoint as ckpt
 from furlong.types import AdamParams
+
+OPTIMIZERS = ("adamw", "muon")  # optimizer_config.type values this server trains with
 
 
 class NotFound(KeyError):
@@ -108,14 +111,14 @@ class Service:
         self._session(owner, req.session_id)
         lora = self._lora(req.lora_config)
         self._check_base(req.base_model)
-        _check_optimizer(req.optimizer_config)
+        optimizer = _optimizer_kind(req.optimizer_config)
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         if model_id in self.models:
             raise InputError(f"model_seq_id: {req.model_seq_id} already used in this session")
         entry = self._register(owner, model_id, req.base_model, lora, req.user_metadata)
 
         def create() -> dict:
-            entry.model = self.pool.create(model_id, req.base_model, lora)
+            entry.model = self.pool.create(model_id, req.base_model, lora, optimizer=optimizer)
             self._write_run(model_id, entry)
             return {"model_id": model_id, "type": "create_model"}
 
@@ -214,11 +217,16 @@ class Service:
     def optim_step(self, owner: str, req: tt.OptimStepRequest) -> str:
         entry = self._model(owner, req.model_id)
         params = req.optim_params
-        if not isinstance(params, tt.AdamParams):
-            raise InputError(f"optimizer_params.type: {params.type!r} is not supported (adamw)")
-        adam = AdamParams(**params.model_dump(exclude={"type"}))
 
         def run() -> dict:
+            # rejected in its turn: a refusal at submission would leave a seq_id gap that
+            # stalls every later operation of the model until gap_timeout
+            if not isinstance(params, tt.AdamParams):  # Muon models take AdamParams too
+                raise InputError(
+                    f"optimizer_params.type: {params.type!r} is not supported; send "
+                    "adam_params (AdamW and Muon models both take them)"
+                )
+            adam = AdamParams(**params.model_dump(exclude={"type"}))
             return {"metrics": self._ready(entry).optim_step(adam), "type": "optim_step"}
 
         return entry.log.submit(_seq(req.seq_id), run)
@@ -272,13 +280,19 @@ class Service:
         self._check_base(base)
         lora_cfg = meta.get("lora_config") or {}
         lora = LoraSpec(**lora_cfg) if lora_cfg else None
+        # with its optimizer state a model keeps the checkpoint's optimizer
+        optimizer = (
+            ckpt.optimizer_kind(ckpt.read_meta(source))
+            if req.optimizer
+            else _optimizer_kind(req.optimizer_config)
+        )
         model_id = f"{req.session_id}:train:{req.model_seq_id}"
         if model_id in self.models:
             raise InputError(f"model_seq_id: {req.model_seq_id} already used in this session")
         entry = self._register(owner, model_id, base, lora, req.user_metadata)
 
         def create_and_load() -> dict:
-            model = self.pool.create(model_id, base, lora)
+            model = self.pool.create(model_id, base, lora, optimizer=optimizer)
             try:
                 model.load_state(source, optimizer=req.optimizer)
             except BaseException:
@@ -484,10 +498,21 @@ class Service:
         }
 
 
-def _check_optimizer(config: Any) -> None:
-    kind = getattr(config, "type", "adamw")
-    if kind != "adamw":
-        raise InputError(f"optimizer_config.type: {kind!r} is not supported (adamw)")
+def _optimizer_kind(config: Any) -> str:
+    """``optimizer_config``: ``{"type": "adamw"}`` (the default) or ``{"type": "muon"}`` (the
+    SDK's ``OptimizerConfigBase(type="muon")``); Tinker's ``dimuon`` is not implemented."""
+    if config is None:
+        return "adamw"
+    kind = getattr(config, "type", None)
+    if kind not in OPTIMIZERS:
+        raise InputError(
+            f"optimizer_config.type: {kind!r} is not supported; this server trains with "
+            f"{' or '.join(map(repr, OPTIMIZERS))}"
+        )
+    extra = sorted(set(config.model_dump()) - {"type"})
+    if extra:
+        raise InputError(f"optimizer_config.{extra[0]}: not supported for {kind!r}")
+    return kind
 
 
 def _seq(seq_id: int | None) -> int:

@@ -7,10 +7,12 @@ Layout of a checkpoint directory::
                             names (e.g. one LoRA adapter, without the shared base weights)
     optimizer.safetensors   every tensor of the optimizer state, keyed "<param name>.<key>"
     training_state.json     format, kind, step, parameter order, param groups, scalar state,
-                            and the caller's ``info`` (e.g. base model and LoRA config)
+                            optimizer kind ("adamw" | "muon"), and the caller's ``info``
+                            (e.g. base model and LoRA config)
 
-Format v1 (no kind, no info) is read as kind "model". Loading reads and checks everything
-before it changes the model or the optimizer.
+Format v1 (no kind, no info) is read as kind "model"; a checkpoint without an optimizer kind
+holds AdamW state. Loading reads and checks everything before it changes the model or the
+optimizer. File-backed optimizer state (``furlong.train.filemap``) is msynced before writing.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ from safetensors.torch import load_file, save_file
 
 from furlong.errors import InputError
 from furlong.models.loading import atomic_dir, publish_dir
+from furlong.train import filemap
+from furlong.train.composite import CompositeOptimizer
 
 FORMAT = "furlong-train-state-v2"
 READABLE_FORMATS = ("furlong-train-state-v1", FORMAT)
 KIND_MODEL = "model"  # the whole state dict
 KIND_PARAMS = "params"  # a named subset of parameters
+TUPLE_KEYS = ("betas", "ns_coefficients")  # param-group tuples that JSON stores as lists
 
 
 def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -52,7 +57,7 @@ def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
 def save_training_state(
     path: str | os.PathLike,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | CompositeOptimizer,
     param_names: list[str],
     step: int,
     *,
@@ -91,9 +96,11 @@ def save_training_state(
         "param_names": param_names,
         "param_groups": groups,
         "optimizer_class": type(optimizer).__name__,
+        "optimizer_kind": getattr(optimizer, "kind", "adamw"),
         "scalar_state": opt_scalars,
         "aliases": aliases,
     }
+    filemap.sync(opt_tensors.values())  # dirty mapped pages reach the disk before we write
     tmp, final = atomic_dir(path)
     try:
         save_file(tensors, str(tmp / "model.safetensors"))
@@ -117,12 +124,22 @@ def read_training_state(path: str | os.PathLike) -> tuple[dict, dict, dict]:
             raise InputError(
                 f"path: {root} is not a furlong training checkpoint ({f.name} missing)"
             )
-    meta = json.loads(files[2].read_text())
+    meta = read_meta(root)
+    return load_file(str(files[0])), load_file(str(files[1])), meta
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """``training_state.json`` of a checkpoint, checked and with v1 defaults filled in."""
+    root = Path(path)
+    try:
+        meta = json.loads((root / "training_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"path: {root} is not a furlong training checkpoint ({e})") from e
     if meta.get("format") not in READABLE_FORMATS:
         raise InputError(f"path: {root} has format {meta.get('format')!r}, expected {FORMAT!r}")
     meta.setdefault("kind", KIND_MODEL)
     meta.setdefault("info", {})
-    return load_file(str(files[0])), load_file(str(files[1])), meta
+    return meta
 
 
 def check_kind(meta: dict, kind: str) -> None:
@@ -177,8 +194,20 @@ def restore_params(
         p.copy_(tensors[name])
 
 
-def optimizer_state_dict(meta: dict, opt_tensors: dict[str, torch.Tensor], names: list[str]):
-    """Rebuild ``optimizer.state_dict()`` in this process's parameter order."""
+def optimizer_kind(meta: dict) -> str:
+    return meta.get("optimizer_kind", "adamw")  # before optimizer kinds: always AdamW
+
+
+def optimizer_state_dict(
+    meta: dict, opt_tensors: dict[str, torch.Tensor], names: list[str], kind: str | None = None
+):
+    """Rebuild ``optimizer.state_dict()`` in this process's parameter order; ``kind`` given:
+    the optimizer kind it is for."""
+    if kind is not None and optimizer_kind(meta) != kind:
+        raise InputError(
+            f"checkpoint holds {optimizer_kind(meta)} optimizer state, this engine uses {kind} "
+            "(load with optimizer=False to take only the weights)"
+        )
     if meta["param_names"] != names:
         raise InputError("checkpoint optimizer state was saved for different parameters")
     index = {n: i for i, n in enumerate(names)}
@@ -190,6 +219,6 @@ def optimizer_state_dict(meta: dict, opt_tensors: dict[str, torch.Tensor], names
         state.setdefault(index[name], {}).update(scalars)
     groups = []
     for g in meta["param_groups"]:
-        group = {k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"}
+        group = {k: (tuple(v) if k in TUPLE_KEYS else v) for k, v in g.items() if k != "params"}
         groups.append(group | {"params": [index[n] for n in g["params"]]})
     return {"state": state, "param_groups": groups}

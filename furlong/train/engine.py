@@ -28,6 +28,7 @@ from furlong.errors import InputError
 from furlong.models.loading import load_model, save_hf_dir
 from furlong.train import checkpoint as ckpt
 from furlong.train.batching import PADDING, Microbatch, collate, plan_microbatches
+from furlong.train.filemap import is_file_backed
 from furlong.train.logprobs import (
     RowSupports,
     auto_chunk_size,
@@ -35,7 +36,7 @@ from furlong.train.logprobs import (
     head_logprobs,
 )
 from furlong.train.objectives import Objective, datum_losses
-from furlong.train.optim import build_adamw, optimizer_step
+from furlong.train.optim import OptimizerConfig, build_optimizer, optimizer_step
 from furlong.train.replay import concat_supports, row_supports
 from furlong.train.routing_replay import check_routing, forced_rows, replay_routing
 from furlong.train.validation import validate_batch
@@ -49,6 +50,7 @@ class EngineConfig:
     recompute_loss: bool = False  # activation-checkpoint the loss (head + objective)
     gradient_checkpointing: bool = False  # HF activation checkpointing of the trunk
     device: str = "cpu"
+    optimizer: OptimizerConfig = OptimizerConfig()  # kind (adamw | muon) and state store
 
 
 class TrainingEngine:
@@ -76,7 +78,7 @@ class TrainingEngine:
             named = _check_trainable(self.model, trainable)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.optimizer = build_adamw(self.params)
+        self.optimizer = build_optimizer(self.model, self.params, self.config.optimizer)
         self.step = 0
         # while asleep (colocation): the trainable weights by name and each one's optimizer
         # state tensors, in host memory; the live tensors are empty
@@ -330,14 +332,18 @@ class TrainingEngine:
         else:
             ckpt.check_model_tensors(self.model, tensors)
         opt_state = (
-            ckpt.optimizer_state_dict(meta, opt_tensors, self.param_names) if optimizer else None
+            ckpt.optimizer_state_dict(
+                meta, opt_tensors, self.param_names, self.config.optimizer.kind
+            )
+            if optimizer
+            else None
         )
         with torch.no_grad():
             if self.subset:
                 ckpt.restore_params(self.param_names, self.params, tensors)
             else:
                 ckpt.restore_model(self.model, tensors, meta["aliases"])
-        self.optimizer = build_adamw(self.params)
+        self.optimizer = build_optimizer(self.model, self.params, self.config.optimizer)
         if opt_state is not None:
             self.optimizer.load_state_dict(opt_state)
         self.step = int(meta["step"]) if optimizer else 0
@@ -399,8 +405,11 @@ class TrainingEngine:
             torch.cuda.empty_cache()
 
     def _optim_tensors(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """What sleep moves: file-backed (disk-store) state already lives off the device."""
         state = self.optimizer.state.get(p, {})  # get: indexing would add an empty entry
-        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        return {
+            k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not is_file_backed(v)
+        }
 
     def _check_awake(self, where: str) -> None:
         if self.host_weights is not None:

@@ -59,6 +59,8 @@ def test_toml_then_overrides(tmp_path) -> None:
         (["algo.gamma=1.5"], "algo.gamma and algo.lam"),
         (["model.device=tpu"], "model.device: 'tpu'; expected cpu, cuda or cuda:N"),
         (["model.dtype=float16"], "model.dtype: unknown 'float16'"),
+        (["optimizer.state_store=disk"], "optimizer.disk_dir: required"),
+        (["optimizer.kind=sgd"], "optimizer.kind: 'sgd' is not one of"),
     ],
 )
 def test_validation_says_what_to_change(overrides, match) -> None:

@@ -112,3 +112,25 @@ def test_a_batch_without_signal_takes_no_step(tmp_path, monkeypatch) -> None:
     final = AutoModelForCausalLM.from_pretrained(summary.hf_dir)
     for name, p in start.state_dict().items():
         assert torch.equal(final.state_dict()[name], p), name
+
+
+def test_muon_with_disk_state_and_colocation(tmp_path, short_reward) -> None:
+    """The [optimizer] group reaches the actor: Muon, its state in file-backed mappings that
+    the colocated hand-off leaves where they are (they are never counted as moved)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    out = tmp_path / "run"
+    summary, rows, rewards = run(
+        out,
+        "optimizer.kind=muon",
+        "optimizer.state_store=disk",
+        f'optimizer.disk_dir="{state}"',
+        "colocate.enabled=true",
+        "run.steps=8",
+        "run.eval_every=8",
+        "run.export_hf=false",
+    )
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3
+    assert all(torch.isfinite(torch.tensor(r["grad_norm:mean"])) for r in rows[1:])
+    assert rows[-1]["host_peak_bytes:max"] > 0
+    assert (state / "optimizer_state").is_dir()  # the per-process directory was made there

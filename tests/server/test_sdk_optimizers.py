@@ -1,0 +1,41 @@
+"""Optimizer selection through the official SDK: ``optimizer_config.type`` "muon" trains and
+round-trips with its state; types the server does not train with are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+from tinker import types
+from tinker.types.optimizer import OptimizerConfigBase  # the SDK's open-ended optimizer_config
+
+from tests.server.test_sdk import BASE, client, rl_data, serve
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_muon_trains_and_unsupported_optimizers_are_refused(tmp_path) -> None:
+    with serve(tmp_path) as url:
+        service = client(url)
+        for config in (types.DimuonOptimizerConfig(), OptimizerConfigBase(type="sgd")):
+            with pytest.raises(Exception, match="optimizer_config.type: '(dimuon|sgd)'"):
+                service.create_lora_training_client(BASE, rank=4, optimizer=config).result()
+        muon = OptimizerConfigBase(type="muon")
+        training = service.create_lora_training_client(BASE, rank=4, optimizer=muon).result()
+        data, _ = rl_data(3)
+        adam = types.AdamParams(learning_rate=1e-2)
+        losses = []
+        for _ in range(3):
+            fb = training.forward_backward(data, "cross_entropy").result()
+            losses.append(fb.metrics["loss:sum"])
+            training.optim_step(adam).result()
+        assert losses[-1] < losses[0]
+        with pytest.raises(Exception, match="optimizer_params.type: 'dimuon'"):
+            training.optim_step(types.DimuonParams(learning_rate=1e-2)).result()
+
+        saved = training.save_state("muon").result().path
+        restored = service.create_training_client_from_state_with_optimizer(saved).result()
+        for t in (training, restored):  # the restored model is Muon with the saved momentum
+            t.forward_backward(data, "cross_entropy").result()
+            t.optim_step(adam).result()
+        a = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        b = restored.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        assert a == pytest.approx(b, abs=1e-6)
