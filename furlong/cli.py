@@ -1,8 +1,10 @@
-"""`furlong` command line: demo | train | init-model | rollout-server | serve."""
+"""`furlong` command line: demo | train | init-model | rollout-server | session-server | serve."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 
 from furlong.errors import InputError
@@ -19,10 +21,15 @@ def _demo(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from furlong.rl.config import load_config
     from furlong.rl.loop import train
+    from furlong.rl.scale_out import ScaleOut
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not config.endswith(".toml"):
         config, overrides = None, [config, *overrides]  # only overrides were given
+    flags = ScaleOut(args.trainer_ranks, args.ray, args.rollout_engines, args.ray_colocate)
+    for name, value in dataclasses.asdict(flags).items():  # flags beat the file, as overrides
+        if value != getattr(ScaleOut(), name):
+            overrides.append(f"scale.{name}={json.dumps(value)}")
     summary = train(load_config(config, overrides))
     print(f"held-out before RL: {summary.before}")
     print(f"held-out after RL:  {summary.after} ({summary.seconds:.0f} s)")
@@ -79,6 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_tokens_per_datum=args.max_tokens_per_datum,
         max_body_mb=args.max_body_mb,
         compress_fwdbwd=args.compress_fwdbwd,
+        trainer_ranks=args.trainer_ranks,
     )
     return 0
 
@@ -97,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="RL post-training from a TOML config")
     train.add_argument("config", nargs="?", help="a TOML file ([model], [rollout], [algo], ...)")
     train.add_argument("overrides", nargs="*", help="group.field=value, e.g. rollout.group_size=4")
+    train.add_argument("--trainer-ranks", type=int, default=1, help="FSDP2 data-parallel ranks")
+    train.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        metavar="ADDRESS",
+        help="place trainer ranks and rollout engines as Ray actors: a cluster address, or "
+        "none to start Ray on this host",
+    )
+    train.add_argument("--rollout-engines", type=int, default=1, help="with --ray")
+    train.add_argument(
+        "--ray-colocate", action="store_true", help="with --ray: rank i and engine i share a bundle"
+    )
     train.set_defaults(func=_train)
 
     init = sub.add_parser("init-model", help="write a seeded tiny preset as an HF directory")
@@ -156,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-mb", type=int, default=256, help="request body limit (413)")
     serve.add_argument(
         "--compress-fwdbwd", action="store_true", help="ask clients to zstd forward_backward"
+    )
+    serve.add_argument(
+        "--trainer-ranks", type=int, default=1, help="FSDP2 ranks per full fine-tune (LoRA: 1)"
     )
     serve.set_defaults(func=_serve)
     return parser

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from furlong.errors import InputError
+from furlong.rl.scale_out import ScaleOut
 from furlong.rl.tasks import REWARDS
 from furlong.train.optim import OptimizerConfig
 
@@ -133,6 +134,7 @@ class RLConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     colocate: ColocateConfig = field(default_factory=ColocateConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scale: ScaleOut = field(default_factory=ScaleOut)
     run: RunConfig = field(default_factory=RunConfig)
 
     @property
@@ -197,6 +199,7 @@ class RLConfig:
             raise InputError("critic.warmup_steps: needs the critic (algo.advantage = 'gae')")
         if self.colocate.enabled:
             self.handoff().validate(has_critic=self.uses_critic)
+        self.scale.check(self.colocate.enabled)
         return self
 
     def handoff(self) -> Any:

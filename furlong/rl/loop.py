@@ -50,10 +50,10 @@ class RunSummary:
 
 
 def train(config: RLConfig, scale: ScaleOut | None = None) -> RunSummary:
-    """``scale``: trainer ranks and Ray placement (``furlong.rl.scale_out``); default: one
-    process."""
+    """``scale``: trainer ranks and Ray placement (``furlong.rl.scale_out``); default: the
+    config's ``[scale]`` group (one process)."""
     config.validate()
-    scale = scale or ScaleOut()
+    scale = scale or config.scale
     scale.check(config.colocate.enabled)
     start = time.perf_counter()
     run, ro, algo = config.run, config.rollout, config.algo

@@ -44,6 +44,7 @@ def serve(
     max_tokens_per_datum: int = 32_768,
     max_body_mb: int = 256,
     compress_fwdbwd: bool = False,
+    trainer_ranks: int = 1,
 ) -> None:
     import uvicorn
 
@@ -56,6 +57,7 @@ def serve(
         max_datums=max_datums,
         max_tokens_per_datum=max_tokens_per_datum,
         compress_fwdbwd=compress_fwdbwd,
+        trainer_ranks=trainer_ranks,
     )
     if hf_home is not None:  # clients resolve the served names offline (tinker-cookbook)
         from furlong.server.hub_cache import write_hub_cache

@@ -33,6 +33,7 @@ from furlong.models.loading import atomic_dir, load_model, publish_dir
 from furlong.server import lora as peft_lora
 from furlong.server.lora import LoraSpec
 from furlong.train.engine import EngineConfig, TrainingEngine
+from furlong.train.group import TrainerGroup
 from furlong.types import AdamParams, Datum, ForwardResult
 
 __all__ = ["LoraSpec", "ModelPool", "TrainingModel", "sampling_model"]
@@ -82,10 +83,15 @@ class ModelPool:
         dtype: torch.dtype = torch.float32,
         engine_config: EngineConfig | None = None,
         max_lora_rank: int = 512,
+        trainer_ranks: int = 1,
     ):
-        """``base_models``: served name -> preset name or local HF directory."""
+        """``base_models``: served name -> preset name or local HF directory.
+        ``trainer_ranks`` > 1: full fine-tunes train on a multi-rank TrainerGroup (FSDP2);
+        LoRA models stay in this process, on the shared base."""
         if not base_models:
             raise ValueError("base_models: serve at least one base model")
+        if not isinstance(trainer_ranks, int) or trainer_ranks < 1:
+            raise InputError(f"trainer_ranks: must be an integer >= 1, got {trainer_ranks!r}")
         dirs = _dir_names(list(base_models))
         self._bases = {n: _Base(n, str(s), dirs[n]) for n, s in base_models.items()}
         self.full_finetune = full_finetune
@@ -94,6 +100,7 @@ class ModelPool:
         self.dtype = dtype
         self.engine_config = engine_config or EngineConfig()
         self.max_lora_rank = max_lora_rank
+        self.trainer_ranks = trainer_ranks
         self._lock = threading.Lock()  # guards _models and _creating
         self._models: dict[str, TrainingModel] = {}
         self._creating: set[str] = set()
@@ -212,6 +219,12 @@ class ModelPool:
         return TrainingModel(model_id, base, engine, base.lock, adapter=name, spec=spec)
 
     def _create_full(self, model_id: str, base: _Base, config: EngineConfig) -> TrainingModel:
+        if self.trainer_ranks > 1:  # the ranks load the same base (same seed) themselves
+            with base.lock:
+                self._load(base)
+            dtype = str(self.dtype).removeprefix("torch.")
+            group = TrainerGroup(base.spec, self.trainer_ranks, config, seed=self.seed, dtype=dtype)
+            return TrainingModel(model_id, base, group, threading.Lock(), adapter=None, spec=None)
         with base.lock:
             self._load(base)
             model = copy.deepcopy(base.model)
@@ -307,6 +320,8 @@ class TrainingModel:
             with self._active():
                 if self._adapter is not None:
                     peft_lora.save_adapter(tmp, self.engine.model, self._adapter)
+                elif isinstance(self.engine, TrainerGroup):  # rank 0 gathers the weights
+                    self.engine.export_hf(tmp)
                 else:
                     self.engine.model.save_pretrained(tmp)
                     self._base.tokenizer.save_pretrained(tmp)
@@ -321,6 +336,8 @@ class TrainingModel:
             self._removed = True
             if self._adapter is not None:
                 _drop_adapter(self._base, self._adapter)
+            if isinstance(self.engine, TrainerGroup):
+                self.engine.close()
 
 
 def sampling_model(pool: ModelPool, path: Path) -> tuple[torch.nn.Module, Any]:

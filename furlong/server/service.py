@@ -30,7 +30,7 @@ from furlong.server.futures import Failure, FutureStore
 from furlong.server.models import LoraSpec, ModelPool, TrainingModel, sampling_model
 from furlong.server.ordering import CommandLog
 from furlong.server.state import CheckpointRef, StateDir, check_name, iso_time
-from furlong.train import checkpoint as ckpt
+from furlong.train.dist_checkpoint import saved_optimizer_kind
 from furlong.types import AdamParams
 
 OPTIMIZERS = ("adamw", "muon")  # optimizer_config.type values this server trains with
@@ -54,6 +54,7 @@ class ServiceConfig:
     snapshot_engines: int = 4  # sampler snapshots kept loaded for reuse (LRU)
     compress_fwdbwd: bool = False  # ask clients to zstd forward_backward bodies
     fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request (client-side split)
+    trainer_ranks: int = 1  # > 1: full fine-tunes train on that many FSDP2 ranks (LoRA: 1)
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Service:
             full_finetune=config.full_finetune,
             seed=config.seed,
             tokenizer_root=Path(config.state_dir) / "tokenizers",
+            trainer_ranks=config.trainer_ranks,
         )
         self.futures = FutureStore(poll_timeout=config.poll_timeout)
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="furlong-train")
@@ -282,7 +284,7 @@ class Service:
         lora = LoraSpec(**lora_cfg) if lora_cfg else None
         # with its optimizer state a model keeps the checkpoint's optimizer
         optimizer = (
-            ckpt.optimizer_kind(ckpt.read_meta(source))
+            saved_optimizer_kind(source)  # a single-process or a multi-rank (DCP) checkpoint
             if req.optimizer
             else _optimizer_kind(req.optimizer_config)
         )

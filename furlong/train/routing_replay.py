@@ -62,10 +62,12 @@ def check_routing(
 
 def forced_rows(
     routing: Sequence[torch.Tensor | None], lengths: Sequence[int], width: int
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """``[len(routing) * width, layers, top_k]`` in the padded ``[B, T]`` layout the routers
-    see, ``UNSET`` where nothing was recorded."""
-    sample = next(r for r in routing if r is not None)
+    see, ``UNSET`` where nothing was recorded; None when no datum has routes."""
+    sample = next((r for r in routing if r is not None), None)
+    if sample is None:
+        return None
     out = torch.full((len(routing), width, *sample.shape[1:]), UNSET, dtype=torch.int64)
     for j, (rows, n) in enumerate(zip(routing, lengths, strict=True)):
         if rows is not None:

@@ -163,3 +163,16 @@ def test_bad_routes_are_rejected_before_compute() -> None:
     dense = engine("tiny-qwen3")
     with pytest.raises(InputError, match="no MoE routers"):
         dense.forward(random_datums([3]), "cross_entropy", routed_experts=[None])
+
+
+def test_a_microbatch_without_routes_runs_unforced() -> None:
+    """Routes for one datum only, and a token budget that puts the other datum in its own
+    microbatch: that microbatch runs on the router's own choice."""
+    e = engine(MOE, max_tokens_per_microbatch=9)
+    datums = random_datums([9, 4], seed=9)
+    layers, k, experts = _routes_shape(e)
+    routes = _random_routes(datums[:1], layers, k, experts, seed=10)
+    plain = e.forward(datums, "cross_entropy")
+    mixed = e.forward(datums, "cross_entropy", routed_experts=[routes[0], None])
+    assert torch.allclose(mixed.outputs[1]["logprobs"], plain.outputs[1]["logprobs"], atol=1e-6)
+    assert (mixed.outputs[0]["logprobs"] - plain.outputs[0]["logprobs"]).abs().max() > 1e-3

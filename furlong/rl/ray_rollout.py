@@ -1,0 +1,180 @@
+"""Rollout engines as Ray actors, behind the RolloutEngine interface the loop uses.
+
+Each engine is an :class:`~furlong.rollout.engine.EmbeddedEngine` in an actor that Ray restarts
+when its process dies. :class:`RayRollout` splits a generate call across the engines (results
+in request order) and remembers the last published weights (an object ref): when an engine
+dies mid-call, it waits for the restart, publishes those weights and version again, and
+retries the call, so no request is served by stale weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from furlong.models.loading import load_model
+from furlong.rollout.base import GenerateResult, MemoryTag, PauseMode, Weights, expand_params
+from furlong.rollout.engine import EmbeddedEngine
+from furlong.rollout.sampling import SamplingParams
+
+CALLS = frozenset({"generate", "update_weights", "pause", "resume", "abort", "offload", "onload"})
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every engine actor loads: a preset (with its seed) or an HF directory."""
+
+    model: str
+    seed: int = 0
+    max_running: int = 16  # batch slots
+    dtype: str = "float32"
+    device: str = "cpu"  # "cuda": the actor's GPU (Ray sets CUDA_VISIBLE_DEVICES)
+    threads: int = 1  # CPU intra-op threads
+
+
+class RolloutActor:
+    """One embedded engine in a Ray actor."""
+
+    def __init__(self, spec: EngineSpec):
+        torch.set_num_threads(spec.threads)
+        policy, tokenizer = load_model(spec.model, seed=spec.seed, dtype=getattr(torch, spec.dtype))
+        policy = policy.to(spec.device)
+        self.engine = EmbeddedEngine(policy, tokenizer, max_running=spec.max_running)
+
+    def ready(self) -> int:
+        return self.engine.weight_version
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method not in CALLS:
+            raise ValueError(f"method: {method!r} is not one of {sorted(CALLS)}")
+        return getattr(self.engine, method)(*args)
+
+
+class RayRollout:
+    """The engines of a run; ``restarts`` counts recoveries."""
+
+    def __init__(self, engines: Sequence[Any], attempts: int = 3, restart_timeout_s: float = 600):
+        self.engines = list(engines)
+        self.attempts = attempts
+        self.restart_timeout_s = restart_timeout_s
+        self.restarts = 0
+        self._weights: ray.ObjectRef | None = None  # the last publication, for restarted engines
+        self._version = 0
+        ray.get([e.ready.remote() for e in self.engines])
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[GenerateResult]:
+        """Contiguous slices of the prompts, one per engine, all in flight at once."""
+        plist = expand_params(len(prompts), params)
+        n, k = len(prompts), len(self.engines)
+        bounds = [(j * n // k, (j + 1) * n // k) for j in range(k)]
+        args = [([list(p) for p in prompts[a:b]], plist[a:b]) for a, b in bounds]
+        refs = [
+            e.call.remote("generate", *a) if a[0] else None
+            for e, a in zip(self.engines, args, strict=True)
+        ]
+        results: list[GenerateResult] = []
+        for j, ref in enumerate(refs):
+            if ref is not None:
+                results += self._get(j, ref, "generate", *args[j])
+        return results
+
+    def update_weights(self, weights: Weights | ray.ObjectRef, version: int | None = None) -> int:
+        """Every engine takes the weights (put in the object store once, read by each)."""
+        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
+        version = self._version + 1 if version is None else int(version)
+        self._weights, self._version = ref, version
+        self._all("update_weights", ref, version)
+        return version
+
+    def publish_from(self, trainer: Any, version: int) -> int:
+        """Weights straight from rank 0 of a Ray trainer group to every engine (the gather is a
+        collective: every rank takes part, rank 0's result is the weights)."""
+        refs = trainer.call_refs("full_weights")
+        self.update_weights(refs[0], version)
+        ray.get(refs[1:])
+        return version
+
+    def pause(self, mode: PauseMode = "retract") -> None:
+        self._all("pause", mode)
+
+    def resume(self) -> None:
+        self._all("resume")
+
+    def abort(self, request_ids: Iterable[int | str] | None = None) -> int:
+        ids = None if request_ids is None else list(request_ids)
+        return sum(self._all("abort", ids))
+
+    def offload(self, tags: Iterable[MemoryTag]) -> None:
+        self._all("offload", list(tags))
+
+    def onload(self, tags: Iterable[MemoryTag]) -> None:
+        self._all("onload", list(tags))
+
+    def close(self) -> None:
+        for engine in self.engines:
+            ray.kill(engine, no_restart=True)
+        self.engines = []
+
+    # ---------------------------------------------------------------- recovery
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        refs = [e.call.remote(method, *args) for e in self.engines]
+        return [self._get(j, ref, method, *args) for j, ref in enumerate(refs)]
+
+    def _get(self, j: int, ref: ray.ObjectRef, method: str, *args: Any) -> Any:
+        for attempt in range(self.attempts):
+            try:
+                return ray.get(ref)
+            except RayActorError:
+                if attempt == self.attempts - 1:
+                    raise
+                self._recover(j)
+                ref = self.engines[j].call.remote(method, *args)
+        raise AssertionError("unreachable")
+
+    def _recover(self, j: int) -> None:
+        """Wait for Ray to restart engine ``j``, then publish the last weights to it."""
+        self.restarts += 1
+        engine = self.engines[j]
+        deadline = time.monotonic() + self.restart_timeout_s
+        while True:
+            try:
+                ray.get(engine.ready.remote())
+                break
+            except RayActorError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        if self._weights is not None:
+            ray.get(engine.call.remote("update_weights", self._weights, self._version))
+
+
+def start_engines(
+    spec: EngineSpec, strategies: Sequence[Any], resources: Sequence[dict]
+) -> list[Any]:
+    """One restartable engine actor per scheduling strategy (placement-group bundle)."""
+    actor = ray.remote(RolloutActor)
+    job = ray.get_runtime_context().get_job_id()
+    return [
+        actor.options(
+            num_cpus=need.get("CPU", 0),
+            num_gpus=need.get("GPU", 0),
+            scheduling_strategy=where,
+            max_restarts=-1,  # Ray restarts a dead engine; RayRollout re-publishes the weights
+            max_task_retries=0,  # a call in flight fails, and RayRollout retries it
+            name=f"furlong-rollout-{job}-{j}",
+        ).remote(spec)
+        for j, (where, need) in enumerate(zip(strategies, resources, strict=True))
+    ]

@@ -1,0 +1,305 @@
+"""One rank of a data-parallel TrainingEngine: FSDP2 (``fully_shard``) over torch.distributed.
+
+Same API and semantics as :class:`~furlong.train.engine.TrainingEngine`: each call's datums
+are split across ranks by tokens (``furlong.train.rank_split``), every rank runs the engine's
+own microbatch pass on its share, gradients are reduce-scattered as raw sums (FSDP's divide
+factor is 1: no averaging anywhere), and every rank returns the whole call's result, per-datum
+outputs in request order. ``optim_step`` clips by the global norm (the engine's step over
+sharded DTensor gradients reduces the norm across ranks).
+
+Every rank must make the same calls with the same arguments (torchrun scripts do;
+:class:`~furlong.train.group.TrainerGroup` forwards each call to all ranks). Validation runs on
+every rank before any collective, so a bad request raises the same ``InputError`` everywhere.
+
+Sharding: each decoder layer is an FSDP unit, the model itself the root unit (embeddings, final
+norm, LM head). The engine calls the decoder and the head directly rather than the model's
+``forward``, so the root unit is unsharded around each microbatch by hand; its gradients are
+reduced by FSDP's end-of-backward callback like any unit whose forward ran.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from furlong.errors import InputError
+from furlong.models.loading import load_model
+from furlong.train import dist_checkpoint as dcp_state
+from furlong.train.batching import PADDING, collate
+from furlong.train.engine import EngineConfig, TrainingEngine
+from furlong.train.optim import build_optimizer
+from furlong.train.rank_split import rank_microbatches
+from furlong.train.replay import concat_supports, row_supports
+from furlong.train.routing_replay import check_routing, forced_rows
+from furlong.train.validation import validate_batch
+from furlong.types import AdamParams, Datum, ForwardResult
+
+
+def init_distributed(
+    backend: str | None = None,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout_s: float = 1800.0,
+) -> tuple[int, int]:
+    """Join the default process group; ``(rank, world_size)``. Without arguments, from
+    torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). ``backend``: nccl
+    when CUDA is available, else gloo. On CUDA, LOCAL_RANK picks the device."""
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=-1 if rank is None else rank,
+            world_size=-1 if world_size is None else world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """``fully_shard`` every decoder layer, then the model; gradients reduce as raw sums."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not layers:
+        raise InputError(f"model: {type(model).__name__} has no decoder layers to shard")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # Tinker semantics: sums, never means
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no AVG
+    # FSDP picks its root at the first forward: run one through the model itself, because the
+    # engine calls the decoder directly (which would make the first layer a root of its own)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+    model.reshard()
+
+
+class DistributedEngine:
+    """This rank's part of an N-rank TrainingEngine (FSDP2). Build it on every rank."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        mesh: DeviceMesh | None = None,
+    ):
+        if not dist.is_initialized():
+            raise RuntimeError("DistributedEngine: call init_distributed() first")
+        config = config or EngineConfig()
+        if config.optimizer.kind != "adamw" or config.optimizer.state_store != "memory":
+            raise InputError(
+                "optimizer: multi-rank training supports kind 'adamw' with state_store "
+                f"'memory', got {config.optimizer.kind!r} / {config.optimizer.state_store!r}"
+            )
+        if any(not p.requires_grad for p in model.parameters()):
+            raise InputError("model: multi-rank training is full fine-tuning (all parameters)")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        device = torch.device(config.device)
+        self.mesh = mesh or init_device_mesh(device.type, (self.world_size,))
+        model.to(device)
+        shard_model(model, self.mesh)
+        self.engine = TrainingEngine(model, tokenizer, config)  # over the sharded parameters
+        self.model = model
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        spec: str | os.PathLike,
+        config: EngineConfig | None = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> DistributedEngine:
+        """Every rank loads the same preset (same seed) or HF directory, then shards it."""
+        model, tokenizer = load_model(spec, seed=seed, dtype=dtype)
+        return cls(model, tokenizer, config)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def param_names(self) -> list[str]:
+        return self.engine.param_names
+
+    @property
+    def step(self) -> int:
+        return self.engine.step
+
+    # ---------------------------------------------------------------- loss passes
+
+    def forward(
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, object] | None = None,
+        *,
+        temperature: float = 1.0,
+        sampling_masks: Sequence[Any] | None = None,
+        routed_experts: Sequence[Any] | None = None,
+    ) -> ForwardResult:
+        return self._run(
+            datums, loss_fn, loss_fn_config, temperature, sampling_masks, routed_experts, False
+        )
+
+    def forward_backward(
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, object] | None = None,
+        *,
+        temperature: float = 1.0,
+        sampling_masks: Sequence[Any] | None = None,
+        routed_experts: Sequence[Any] | None = None,
+    ) -> ForwardResult:
+        return self._run(
+            datums, loss_fn, loss_fn_config, temperature, sampling_masks, routed_experts, True
+        )
+
+    def _run(
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, object] | None,
+        temperature: float,
+        sampling_masks: Sequence[Any] | None,
+        routed_experts: Sequence[Any] | None,
+        backward: bool,
+    ) -> ForwardResult:
+        e = self.engine
+        objective, config = validate_batch(
+            datums,
+            loss_fn,
+            loss_fn_config,
+            min(e.vocab_size, e.input_vocab_size),
+            getattr(self.model.config, "max_position_embeddings", None),
+        )
+        if not (isinstance(temperature, int | float) and temperature > 0):
+            raise InputError(f"temperature: must be > 0, got {temperature!r}")
+        supports = row_supports(datums, sampling_masks)
+        routing = check_routing(self.model, datums, routed_experts)
+        pad = _padding_datum(datums[0])
+        pad_support = row_supports([pad], [None])[0] if supports is not None else None
+        lengths = [len(d) for d in datums]
+        plan = rank_microbatches(lengths, self.world_size, e.config.max_tokens_per_microbatch)
+        loss_sum, results = 0.0, []
+        for group in plan[self.rank]:
+            mb = collate(
+                [pad if i == PADDING else datums[i] for i in group],
+                group,
+                objective.inputs,
+                e.pad_token_id,
+                e.config.device,
+            )
+            sup = None
+            if supports is not None:
+                sup = concat_supports([pad_support if i == PADDING else supports[i] for i in group])
+            forced = None
+            parts = [None if i == PADDING or routing is None else routing[i] for i in group]
+            if any(p is not None for p in parts):
+                forced = forced_rows(parts, mb.lengths, mb.input_ids.shape[1])
+            self.model.unshard()  # the root unit: embeddings, final norm, head (see module doc)
+            total, outs = e.run_microbatch(
+                mb, objective, config, temperature, backward, sup, forced
+            )
+            self.model.reshard()  # after backward FSDP already did; after forward-only we do
+            loss_sum += total
+            results += outs
+        outputs, loss_sum = _gather(loss_sum, results, len(datums))
+        metrics = {
+            "loss:sum": loss_sum,
+            "num_tokens:sum": float(sum(lengths)),
+            "num_datums:sum": float(len(datums)),
+        }
+        return ForwardResult(outputs=outputs, metrics=metrics)
+
+    # ---------------------------------------------------------------- optimizer
+
+    def optim_step(self, adam_params: AdamParams | None = None) -> dict[str, float]:
+        """The engine's step: over DTensor gradients the norm (and so the clip) is global."""
+        return self.engine.optim_step(adam_params)
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    # ---------------------------------------------------------------- weights and state
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The trainable weights by name, gathered whole on CPU on rank 0 (others: empty)."""
+        return dcp_state.full_weights(self.model, self.param_names)
+
+    def full_gradients(self) -> dict[str, torch.Tensor | None]:
+        """The accumulated gradients by name, whole, on every rank (for inspection)."""
+        return {
+            n: None if p.grad is None else dcp_state.unsharded(p.grad).cpu()
+            for n, p in zip(self.param_names, self.engine.params, strict=True)
+        }
+
+    def save_state(self, path: str | os.PathLike, info: Mapping[str, Any] | None = None) -> Path:
+        """A torch.distributed.checkpoint directory that any number of ranks can load."""
+        e = self.engine
+        return dcp_state.save_state(path, self.model, e.optimizer, e.param_names, e.step, info)
+
+    def load_state(
+        self,
+        path: str | os.PathLike,
+        optimizer: bool = True,
+        expect_info: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Restore weights (and optimizer state) saved with any number of ranks; everything
+        is checked before anything changes."""
+        e = self.engine
+        state, step = dcp_state.load_state(
+            path, self.model, e.param_names, e.params, optimizer, expect_info
+        )
+        e.zero_grad()
+        e.optimizer = build_optimizer(self.model, e.params, e.config.optimizer)
+        if state is not None:
+            e.optimizer.load_state_dict(state)
+        e.step = step
+
+    def export_hf(self, path: str | os.PathLike) -> Path:
+        """Rank 0 gathers the full weights and writes a normal HF directory."""
+        if self.tokenizer is None:
+            raise InputError("export_hf: the engine has no tokenizer to export")
+        return dcp_state.export_hf(path, self.model, self.tokenizer)
+
+
+def _padding_datum(like: Datum) -> Datum:
+    """One token shaped like ``like`` (so top-K targets concatenate); its mask is 0."""
+    return Datum(like.model_input[:1], {k: v[:1] for k, v in like.loss_fn_inputs.items()})
+
+
+def _gather(
+    loss_sum: float, results: list[tuple[int, dict[str, torch.Tensor]]], n: int
+) -> tuple[list[dict[str, torch.Tensor]], float]:
+    """Every rank's outputs, on every rank, in request order, each datum exactly once, and
+    the global loss sum (added in rank order, so every rank gets the same float)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (loss_sum, results))
+    outputs: list[dict[str, torch.Tensor] | None] = [None] * n
+    for _, part in gathered:
+        for index, out in part:
+            if outputs[index] is not None:
+                raise RuntimeError(f"datum {index} produced two outputs in one call")
+            outputs[index] = out
+    if any(o is None for o in outputs):
+        raise RuntimeError("a datum produced no output")
+    return outputs, sum(rank_loss for rank_loss, _ in gathered)  # type: ignore[return-value]
