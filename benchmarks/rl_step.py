@@ -1,7 +1,8 @@
 """RL step time: furlong's GRPO loop vs TRL's ``GRPOTrainer`` on the same model and workload.
 
 One step = generate 16 prompts x 8 samples (128 completions, at most 6 new tokens, temperature
-1), score them (exact match on the ``reverse`` task, 3 digits, chat template), GRPO advantages
+1) for the ``reverse`` task's prompts (3 digits, chat template), score them (``bench_spread``:
+a deterministic score that varies between samples, so every step has a real update), GRPO advantages
 (group std scaling, no KL), one forward/backward over the 128 completions and one AdamW step
 (lr 1e-3, grad clip 1.0). Both sides start from the same ``small-qwen3`` HF directory (fp32,
 CPU) and use the same number of intra-op threads. Each measurement runs in a fresh subprocess;
@@ -49,7 +50,23 @@ then run /tmp/trl-venv/bin/python benchmarks/rl_step.py
 
 # The shared workload; furlong's names, mapped to TRL's in ``trl_worker``.
 PROMPTS, GROUP, MAX_TOKENS, TEMPERATURE, LR, GRAD_CLIP = 16, 8, 6, 1.0, 1e-3, 1.0
-TASK, DIGITS, REWARD = "reverse", 3, "exact_match"
+TASK, DIGITS, REWARD = "reverse", 3, "bench_spread"
+
+
+def bench_spread(response: str, problem: Any) -> float:
+    """A deterministic score that varies between samples. A random-weight model never gets an
+    exact match, so with a real verifier every advantage would be zero, furlong would skip the
+    update (no signal, no step) and TRL would still run it: the step would not be the same
+    work. This keeps the forward/backward and the optimizer step in every step, on both sides."""
+    return sum(map(ord, response)) % 7 / 6
+
+
+def register_reward() -> None:
+    from furlong.rl.tasks import REWARDS
+
+    REWARDS[REWARD] = bench_spread
+
+
 RESULT = "RESULT "  # prefix of a worker's one JSON line on stdout
 
 
@@ -60,6 +77,8 @@ def furlong_worker(model_dir: str, steps: int, out_dir: str) -> dict[str, Any]:
     from furlong.metrics import read_metrics
     from furlong.rl.config import load_config
     from furlong.rl.loop import train
+
+    register_reward()
 
     overrides = [
         f"model.name={json.dumps(model_dir)}",
@@ -91,6 +110,7 @@ def furlong_worker(model_dir: str, steps: int, out_dir: str) -> dict[str, Any]:
     rows = [r for r in read_metrics(Path(out_dir) / "metrics.jsonl") if r["step"] >= 1]
     rows = [r for r in rows if "eval_greedy" not in r]
     assert len(rows) == steps, f"expected {steps} eval-free steps, got {len(rows)}"
+    assert not any(r["actor_skipped:sum"] for r in rows), "a step skipped its update"
     return {
         "seconds": [r["step_seconds"] for r in rows],
         "completion_tokens": statistics.mean(r["response_tokens:mean"] for r in rows),
@@ -114,6 +134,7 @@ def trl_worker(model_dir: str, steps: int, out_dir: str) -> dict[str, Any]:
             for p in train_split
         ]
     )
+    register_reward()
     verifier = REWARDS[REWARD]
     batches: list[tuple[int, float]] = []  # (completions, mean tokens) per reward call
 
@@ -266,6 +287,7 @@ def write_model(spec: str, out: Path) -> Path:
 
 
 def main() -> None:
+    global MAX_TOKENS  # both workers read it; a longer generation shifts the step's balance
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small-qwen3", help="preset name or HF directory")
     parser.add_argument("--rounds", type=int, default=3)
@@ -281,7 +303,6 @@ def main() -> None:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--worker-steps", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global MAX_TOKENS  # both workers read it; a longer generation shifts the step's balance
     MAX_TOKENS = args.max_tokens
     if args.worker:
         worker_main(args.worker, args.model_dir, args.worker_steps, args.threads)
