@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from typing import Any
 
 from furlong.errors import InputError
 from furlong.models.presets import PRESETS
@@ -18,9 +19,10 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
+def train_config(args: argparse.Namespace, config_file: str | None = None) -> Any:
+    """The RLConfig a `furlong train` command line means: the file, then the overrides, then
+    the scale-out flags (as ``scale.*`` overrides, so they are validated like the rest)."""
     from furlong.rl.config import load_config
-    from furlong.rl.loop import train
     from furlong.rl.scale_out import ScaleOut
 
     config, overrides = args.config, list(args.overrides)
@@ -30,7 +32,13 @@ def _train(args: argparse.Namespace) -> int:
     for name, value in dataclasses.asdict(flags).items():  # flags beat the file, as overrides
         if value != getattr(ScaleOut(), name):
             overrides.append(f"scale.{name}={json.dumps(value)}")
-    summary = train(load_config(config, overrides))
+    return load_config(config_file or config, overrides)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from furlong.rl.loop import train
+
+    summary = train(train_config(args))
     print(f"held-out before RL: {summary.before}")
     print(f"held-out after RL:  {summary.after} ({summary.seconds:.0f} s)")
     print(f"metrics and curves in {summary.out_dir}; policy: {summary.hf_dir}")

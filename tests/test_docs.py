@@ -12,7 +12,7 @@ from furlong.server.service import Service, ServiceConfig
 from furlong.serving import background_server
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 BLOCKS = [
     (f"{page.relative_to(ROOT)}[python block {i}]", block)
     for page in PAGES
