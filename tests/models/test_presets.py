@@ -1,4 +1,4 @@
-"""Seeded presets are transformers' own Qwen3 classes; they save, reload and load by name."""
+"""Seeded presets are transformers' own Qwen3 and Llama classes; they save, reload, load by name."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    LlamaForCausalLM,
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
 )
@@ -20,6 +21,7 @@ EXPECTED_CLASS = {
     "tiny-qwen3": Qwen3ForCausalLM,
     "tiny-qwen3-moe": Qwen3MoeForCausalLM,
     "small-qwen3": Qwen3ForCausalLM,
+    "small-llama": LlamaForCausalLM,
 }
 TEXT = "<|im_start|>user\nWhat is 3 + 4? café 東京<|im_end|>\n<|im_start|>assistant\n7"
 
