@@ -90,6 +90,7 @@ class AlgoConfig:
     learning_rate: float = 1e-3  # the actor's AdamW learning rate
     grad_clip_norm: float = 1.0  # global-norm clip (0: off)
     minibatches: int = 1  # optimizer steps per rollout batch
+    share_prefixes: bool = True  # a group's prompt runs through the trunk once (same math)
 
 
 @dataclass(frozen=True)

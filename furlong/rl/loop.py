@@ -64,7 +64,9 @@ def train(config: RLConfig, scale: ScaleOut | None = None) -> RunSummary:
     torch.manual_seed(run.seed)
 
     m = config.model
-    engine_config = EngineConfig(device=m.device, optimizer=config.optimizer)
+    engine_config = EngineConfig(
+        device=m.device, optimizer=config.optimizer, share_prefixes=algo.share_prefixes
+    )
     policy, tokenizer = load_model(m.name, seed=m.seed, dtype=getattr(torch, m.dtype))
     policy = policy.to(m.device)
     t = config.task
@@ -83,7 +85,8 @@ def train(config: RLConfig, scale: ScaleOut | None = None) -> RunSummary:
         actor = TrainingEngine(policy, tokenizer, engine_config)  # a fresh optimizer for RL
         rollout = EmbeddedEngine(copy.deepcopy(policy), tokenizer, max_running=batch)
     keep_reference = algo.kl_coef > 0 or run.log_kl
-    frozen = EngineConfig(device=m.device)  # the reference never steps: no optimizer state
+    # the reference never steps: no optimizer state
+    frozen = EngineConfig(device=m.device, share_prefixes=algo.share_prefixes)
     reference = TrainingEngine(copy.deepcopy(policy), None, frozen) if keep_reference else None
     critic = _critic(config, policy)
     colocation = _colocation(config, actor, rollout)

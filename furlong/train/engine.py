@@ -37,6 +37,7 @@ from furlong.train.logprobs import (
 )
 from furlong.train.objectives import Objective, datum_losses
 from furlong.train.optim import OptimizerConfig, build_optimizer, optimizer_step
+from furlong.train.prefix_sharing import plan_prefixes, shared_prefix_hidden
 from furlong.train.replay import concat_supports, row_supports
 from furlong.train.routing_replay import check_routing, forced_rows, replay_routing
 from furlong.train.validation import validate_batch
@@ -50,6 +51,8 @@ class EngineConfig:
     recompute_loss: bool = False  # activation-checkpoint the loss (head + objective)
     gradient_checkpointing: bool = False  # HF activation checkpointing of the trunk
     device: str = "cpu"
+    # run a prompt shared by several datums (a GRPO group) through the trunk once
+    share_prefixes: bool = False
     optimizer: OptimizerConfig = OptimizerConfig()  # kind (adamw | muon) and state store
 
 
@@ -225,7 +228,7 @@ class TrainingEngine:
         """One forward (and backward) pass; per-datum outputs come back in the return value."""
         # replay spans backward too: activation checkpointing re-runs the routers there
         with torch.set_grad_enabled(backward), replay_routing(self.model, forced_routing):
-            hidden = self._hidden_rows(mb)
+            hidden = self._hidden_rows(mb, shareable=forced_routing is None)
             loss = functools.partial(
                 self._loss,
                 mb=mb,
@@ -249,7 +252,11 @@ class TrainingEngine:
         ]
         return float(total.detach()), results
 
-    def _hidden_rows(self, mb: Microbatch) -> torch.Tensor:
+    def _hidden_rows(self, mb: Microbatch, shareable: bool = True) -> torch.Tensor:
+        if self.config.share_prefixes and shareable and not self.config.gradient_checkpointing:
+            plan = plan_prefixes(mb.input_ids, mb.lengths)
+            if plan is not None:
+                return shared_prefix_hidden(self.model.get_decoder(), plan)
         out = self.model.get_decoder()(
             input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
         )

@@ -1,0 +1,129 @@
+"""Shared-prefix training passes: a group's common prompt runs through the trunk once.
+
+GRPO scores ``group_size`` samples of every prompt; teacher-forcing them one row each runs the
+prompt ``group_size`` times. Here each distinct prefix runs once with a KV cache, the cache is
+gathered to every datum that shares it, and only the datums' own suffixes run on top. Causal
+attention makes a prefix's hidden states independent of what follows, so the hidden rows are
+the same as the plain pass up to float summation order, and gradients from every suffix reach
+the prefix through the gathered cache.
+
+Not used with routing replay (the routers see a different row layout) or activation
+checkpointing (HF's checkpointed trunk refuses a cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+MIN_SAVING = 0.2  # share only when it removes at least this share of the tokens
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    prefix_ids: torch.Tensor  # [G, P] right-padded distinct prefixes
+    prefix_mask: torch.Tensor  # [G, P]
+    owner: torch.Tensor  # [B] the prefix of each datum slot
+    suffix_ids: torch.Tensor  # [B, S] right-padded
+    suffix_mask: torch.Tensor  # [B, S]
+    suffix_positions: torch.Tensor  # [B, S] position ids: the prefix length onwards
+    rows: torch.Tensor  # [R] each real token's row in cat(prefix rows, suffix rows)
+
+
+def plan_prefixes(input_ids: torch.Tensor, lengths: list[int]) -> PrefixPlan | None:
+    """Group the slots of a padded ``[B, T]`` microbatch by their common prefix; None when
+    sharing would save less than :data:`MIN_SAVING` of the tokens."""
+    seqs = [input_ids[j, :n] for j, n in enumerate(lengths)]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j, s in enumerate(seqs):
+        groups.setdefault(tuple(s[:1].tolist()), []).append(j)
+    # within each first-token bucket, split into groups sharing a longer prefix
+    prefixes: list[torch.Tensor] = []
+    owner = [0] * len(seqs)
+    for members in groups.values():
+        for group in _split_by_prefix(seqs, members):
+            # every member keeps at least one token of its own (its last row feeds the head)
+            cap = min(len(seqs[j]) for j in group) - (1 if len(group) > 1 else 0)
+            common = _common_prefix(seqs, group, cap)
+            for j in group:
+                owner[j] = len(prefixes)
+            prefixes.append(seqs[group[0]][:common])
+    plen = [len(p) for p in prefixes]
+    suffix_len = [n - plen[owner[j]] for j, n in enumerate(lengths)]
+    if sum(plen) + sum(suffix_len) > (1 - MIN_SAVING) * sum(lengths) or min(plen) == 0:
+        return None
+    width_p, width_s = max(plen), max(max(suffix_len), 1)
+    prefix_ids = input_ids.new_zeros((len(prefixes), width_p))
+    prefix_mask = torch.zeros_like(prefix_ids)
+    for g, p in enumerate(prefixes):
+        prefix_ids[g, : len(p)] = p
+        prefix_mask[g, : len(p)] = 1
+    suffix_ids = input_ids.new_zeros((len(seqs), width_s))
+    suffix_mask = torch.zeros_like(suffix_ids)
+    rows = []
+    for j, s in enumerate(seqs):
+        g, k = owner[j], plen[owner[j]]
+        suffix_ids[j, : len(s) - k] = s[k:]
+        suffix_mask[j, : len(s) - k] = 1
+        rows.append(torch.arange(k) + g * width_p)
+        rows.append(torch.arange(len(s) - k) + len(prefixes) * width_p + j * width_s)
+    owner_t = torch.tensor(owner, device=input_ids.device)
+    positions = torch.tensor(plen, device=input_ids.device)[owner_t, None]
+    return PrefixPlan(
+        prefix_ids=prefix_ids,
+        prefix_mask=prefix_mask,
+        owner=owner_t,
+        suffix_ids=suffix_ids,
+        suffix_mask=suffix_mask,
+        suffix_positions=positions + torch.arange(width_s, device=input_ids.device),
+        rows=torch.cat(rows).to(input_ids.device),
+    )
+
+
+def _split_by_prefix(seqs: list[torch.Tensor], members: list[int]) -> list[list[int]]:
+    """Members that share their first token, split so each group shares a prefix at least
+    half as long as its shortest member (a prompt, not a coincidental first token)."""
+    groups: list[list[int]] = []
+    for j in members:
+        for group in groups:
+            head = seqs[group[0]]
+            need = min(len(head), len(seqs[j])) // 2
+            if need and torch.equal(head[:need], seqs[j][:need]):
+                group.append(j)
+                break
+        else:
+            groups.append([j])
+    return groups
+
+
+def _common_prefix(seqs: list[torch.Tensor], group: list[int], cap: int) -> int:
+    head = seqs[group[0]][:cap]
+    common = len(head)
+    for j in group[1:]:
+        same = (seqs[j][:common] == head[:common]).int().cumprod(0)
+        common = int(same.sum())
+    return common
+
+
+def shared_prefix_hidden(decoder: torch.nn.Module, plan: PrefixPlan) -> torch.Tensor:
+    """The hidden rows ``[R, H]`` of every real token, in the plain pass's row order."""
+    cache = DynamicCache()
+    prefix = decoder(
+        input_ids=plan.prefix_ids,
+        attention_mask=plan.prefix_mask,
+        cache=cache,
+        use_cache=True,
+    ).last_hidden_state
+    cache.reorder_cache(plan.owner)  # index_select on the batch: differentiable
+    mask = torch.cat([plan.prefix_mask[plan.owner], plan.suffix_mask], dim=1)
+    suffix = decoder(
+        input_ids=plan.suffix_ids,
+        attention_mask=mask,
+        position_ids=plan.suffix_positions,
+        cache=cache,
+        use_cache=True,
+    ).last_hidden_state
+    flat = torch.cat([prefix.reshape(-1, prefix.shape[-1]), suffix.reshape(-1, suffix.shape[-1])])
+    return flat.index_select(0, plan.rows)
