@@ -95,6 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_body_mb=args.max_body_mb,
         compress_fwdbwd=args.compress_fwdbwd,
         trainer_ranks=args.trainer_ranks,
+        optimizer_state_dir=args.optimizer_state_dir,
     )
     return 0
 
@@ -188,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--trainer-ranks", type=int, default=1, help="FSDP2 ranks per full fine-tune (LoRA: 1)"
+    )
+    serve.add_argument(
+        "--optimizer-state-dir",
+        help="keep every model's optimizer state in file-backed mappings in this directory "
+        "(a real disk, not tmpfs); default: in memory",
     )
     serve.set_defaults(func=_serve)
     return parser

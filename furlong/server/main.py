@@ -45,6 +45,7 @@ def serve(
     max_body_mb: int = 256,
     compress_fwdbwd: bool = False,
     trainer_ranks: int = 1,
+    optimizer_state_dir: str | None = None,
 ) -> None:
     import uvicorn
 
@@ -58,6 +59,7 @@ def serve(
         max_tokens_per_datum=max_tokens_per_datum,
         compress_fwdbwd=compress_fwdbwd,
         trainer_ranks=trainer_ranks,
+        optimizer_state_dir=optimizer_state_dir,
     )
     if hf_home is not None:  # clients resolve the served names offline (tinker-cookbook)
         from furlong.server.hub_cache import write_hub_cache

@@ -31,6 +31,8 @@ from furlong.server.models import LoraSpec, ModelPool, TrainingModel, sampling_m
 from furlong.server.ordering import CommandLog
 from furlong.server.state import CheckpointRef, StateDir, check_name, iso_time
 from furlong.train.dist_checkpoint import saved_optimizer_kind
+from furlong.train.engine import EngineConfig
+from furlong.train.optim import OptimizerConfig
 from furlong.types import AdamParams
 
 OPTIMIZERS = ("adamw", "muon")  # optimizer_config.type values this server trains with
@@ -55,6 +57,7 @@ class ServiceConfig:
     compress_fwdbwd: bool = False  # ask clients to zstd forward_backward bodies
     fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request (client-side split)
     trainer_ranks: int = 1  # > 1: full fine-tunes train on that many FSDP2 ranks (LoRA: 1)
+    optimizer_state_dir: str | None = None  # every model's optimizer state on disk there
 
 
 @dataclass
@@ -86,6 +89,7 @@ class Service:
             seed=config.seed,
             tokenizer_root=Path(config.state_dir) / "tokenizers",
             trainer_ranks=config.trainer_ranks,
+            engine_config=_engine_config(config),
         )
         self.futures = FutureStore(poll_timeout=config.poll_timeout)
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="furlong-train")
@@ -498,6 +502,14 @@ class Service:
                 for name in self.pool.names()
             ]
         }
+
+
+def _engine_config(config: ServiceConfig) -> EngineConfig:
+    """The pool's engine settings: optimizer state in file-backed mappings on request."""
+    if config.optimizer_state_dir is None:
+        return EngineConfig()
+    store = OptimizerConfig(state_store="disk", disk_dir=config.optimizer_state_dir)
+    return EngineConfig(optimizer=store)
 
 
 def _optimizer_kind(config: Any) -> str:
