@@ -1,15 +1,41 @@
-"""Run an ASGI app (a furlong HTTP front end) on 127.0.0.1 in a background thread: for tests,
-notebooks and examples that want a real server without a second process."""
+"""Pieces the furlong HTTP front ends share: reading a JSON object body, and running an ASGI
+app on 127.0.0.1 in a background thread (for tests, notebooks and examples that want a real
+server without a second process)."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
+
+from furlong.errors import InputError
+
+
+async def read_json_object(
+    request: Any, required: bool = True, allowed: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """The request's JSON object body; an empty body is ``{}`` unless ``required``, and
+    ``allowed`` rejects unknown keys. Errors are :class:`InputError` naming the body."""
+    raw = await request.body()
+    if not raw.strip():
+        if required:
+            raise InputError("body: expected a JSON object")
+        return {}
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        raise InputError(f"body: not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise InputError(f"body: expected a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - set(allowed)) if allowed is not None else []
+    if unknown:
+        raise InputError(f"body: unknown fields {unknown}; expected some of {list(allowed)}")
+    return body
 
 
 @contextmanager

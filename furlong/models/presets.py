@@ -19,6 +19,15 @@ from transformers import (
 from furlong.models.tokenizer import train_tokenizer
 
 _ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+# the small dense shape (3.5 M parameters), shared by the Qwen3 and Llama presets
+_SMALL = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
 
 
 @dataclass(frozen=True)
@@ -72,27 +81,13 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "small-qwen3",
             Qwen3Config,
-            dict(
-                hidden_size=256,
-                intermediate_size=768,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=64,
-            ),
+            _SMALL,
             "Qwen3 dense: hidden 256, 4 layers, vocab 768; the CPU demo.",
         ),
         Preset(
             "small-llama",
             LlamaConfig,
-            dict(
-                hidden_size=256,
-                intermediate_size=768,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=64,
-            ),
+            _SMALL,
             "Llama dense: hidden 256, 4 layers, vocab 768; the Llama-style recipe.",
         ),
     )

@@ -26,7 +26,7 @@ import torch
 
 from furlong.errors import InputError
 from furlong.rollout.base import MemoryTag, RolloutEngine
-from furlong.train.filemap import is_file_backed
+from furlong.train.engine import movable_state
 
 LEVELS = ("kv_cache", "weight")
 PEAK_DEVICES = ("cpu", "gpu")
@@ -353,12 +353,7 @@ def trainer_bytes(trainer: Trainer) -> int:
     total = 0
     for p in trainer.params:
         total += p.data.nbytes
-        state = trainer.optimizer.state.get(p, {})  # get: indexing would add an entry
-        total += sum(
-            v.nbytes
-            for v in state.values()
-            if isinstance(v, torch.Tensor) and not is_file_backed(v)  # on disk: never moves
-        )
+        total += sum(v.nbytes for v in movable_state(trainer.optimizer, p).values())
     return total
 
 

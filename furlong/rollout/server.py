@@ -28,25 +28,11 @@ from furlong.errors import InputError
 from furlong.rollout import sglang_wire as wire
 from furlong.rollout.base import MEMORY_TAGS, check_tags
 from furlong.rollout.engine import EmbeddedEngine
+from furlong.serving import read_json_object
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
-
-
-async def _body(request: Request, required: bool = True) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        if required:
-            raise InputError("body: expected a JSON object")
-        return {}
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise InputError(f"body: not JSON ({e})") from e
-    if not isinstance(body, dict):
-        raise InputError(f"body: expected a JSON object, got {type(body).__name__}")
-    return body
 
 
 def create_app(engine: EmbeddedEngine, model_path: str = "") -> FastAPI:
@@ -62,7 +48,7 @@ def create_app(engine: EmbeddedEngine, model_path: str = "") -> FastAPI:
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Any:
-        body = await _body(request)
+        body = await read_json_object(request)
         batch, prompts, params, rids = _parse_generate(engine, body)
         start = time.perf_counter()
         futures = engine.submit_many(prompts, params, rids)  # validates all, then queues
@@ -119,7 +105,7 @@ def create_app(engine: EmbeddedEngine, model_path: str = "") -> FastAPI:
 
     @app.post("/update_weights_from_disk")
     async def update_from_disk(request: Request) -> JSONResponse:
-        body = await _body(request)
+        body = await read_json_object(request)
         path = body.get("model_path")
         raw_version = body.get("weight_version")
         version = None if raw_version is None else wire.parse_version(raw_version)
@@ -165,25 +151,25 @@ def create_app(engine: EmbeddedEngine, model_path: str = "") -> FastAPI:
 
     @app.post("/pause_generation")
     async def pause(request: Request) -> dict:
-        body = await _body(request, required=False)
+        body = await read_json_object(request, required=False)
         await run_in_threadpool(engine.pause, body.get("mode", "abort"))
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
     async def resume(request: Request) -> dict:
-        await _body(request, required=False)
+        await read_json_object(request, required=False)
         engine.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release(request: Request) -> None:
-        tags = _tags(await _body(request, required=False))
+        tags = _tags(await read_json_object(request, required=False))
         if tags:
             await run_in_threadpool(engine.offload, tags)
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory(request: Request) -> None:
-        tags = _tags(await _body(request, required=False))
+        tags = _tags(await read_json_object(request, required=False))
         if tags:
             await run_in_threadpool(engine.onload, tags)
 
@@ -196,7 +182,7 @@ def create_app(engine: EmbeddedEngine, model_path: str = "") -> FastAPI:
 
     @app.post("/abort_request")
     async def abort(request: Request) -> PlainTextResponse:
-        body = await _body(request)
+        body = await read_json_object(request)
         if body.get("abort_all"):
             await run_in_threadpool(engine.abort)
         elif body.get("rid"):

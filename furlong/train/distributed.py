@@ -33,13 +33,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from furlong.errors import InputError
 from furlong.models.loading import load_model
 from furlong.train import dist_checkpoint as dcp_state
-from furlong.train.batching import PADDING, collate
-from furlong.train.engine import EngineConfig, TrainingEngine
+from furlong.train.engine import EngineConfig, TrainingEngine, call_metrics, collect_outputs
 from furlong.train.optim import build_optimizer
 from furlong.train.rank_split import rank_microbatches
-from furlong.train.replay import concat_supports, row_supports
-from furlong.train.routing_replay import check_routing, forced_rows
-from furlong.train.validation import validate_batch
 from furlong.types import AdamParams, Datum, ForwardResult
 
 
@@ -184,51 +180,22 @@ class DistributedEngine:
         backward: bool,
     ) -> ForwardResult:
         e = self.engine
-        objective, config = validate_batch(
-            datums,
-            loss_fn,
-            loss_fn_config,
-            min(e.vocab_size, e.input_vocab_size),
-            getattr(self.model.config, "max_position_embeddings", None),
+        call = e.prepare_call(
+            datums, loss_fn, loss_fn_config, temperature, sampling_masks, routed_experts, backward
         )
-        if not (isinstance(temperature, int | float) and temperature > 0):
-            raise InputError(f"temperature: must be > 0, got {temperature!r}")
-        supports = row_supports(datums, sampling_masks)
-        routing = check_routing(self.model, datums, routed_experts)
         pad = _padding_datum(datums[0])
-        pad_support = row_supports([pad], [None])[0] if supports is not None else None
-        lengths = [len(d) for d in datums]
-        plan = rank_microbatches(lengths, self.world_size, e.config.max_tokens_per_microbatch)
+        plan = rank_microbatches(
+            [len(d) for d in datums], self.world_size, e.config.max_tokens_per_microbatch
+        )
         loss_sum, results = 0.0, []
         for group in plan[self.rank]:
-            mb = collate(
-                [pad if i == PADDING else datums[i] for i in group],
-                group,
-                objective.inputs,
-                e.pad_token_id,
-                e.config.device,
-            )
-            sup = None
-            if supports is not None:
-                sup = concat_supports([pad_support if i == PADDING else supports[i] for i in group])
-            forced = None
-            parts = [None if i == PADDING or routing is None else routing[i] for i in group]
-            if any(p is not None for p in parts):
-                forced = forced_rows(parts, mb.lengths, mb.input_ids.shape[1])
             self.model.unshard()  # the root unit: embeddings, final norm, head (see module doc)
-            total, outs = e.run_microbatch(
-                mb, objective, config, temperature, backward, sup, forced
-            )
+            total, outs = e.run_group(call, group, pad)
             self.model.reshard()  # after backward FSDP already did; after forward-only we do
             loss_sum += total
             results += outs
         outputs, loss_sum = _gather(loss_sum, results, len(datums))
-        metrics = {
-            "loss:sum": loss_sum,
-            "num_tokens:sum": float(sum(lengths)),
-            "num_datums:sum": float(len(datums)),
-        }
-        return ForwardResult(outputs=outputs, metrics=metrics)
+        return ForwardResult(outputs=outputs, metrics=call_metrics(datums, loss_sum))
 
     # ---------------------------------------------------------------- optimizer
 
@@ -294,12 +261,5 @@ def _gather(
     the global loss sum (added in rank order, so every rank gets the same float)."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (loss_sum, results))
-    outputs: list[dict[str, torch.Tensor] | None] = [None] * n
-    for _, part in gathered:
-        for index, out in part:
-            if outputs[index] is not None:
-                raise RuntimeError(f"datum {index} produced two outputs in one call")
-            outputs[index] = out
-    if any(o is None for o in outputs):
-        raise RuntimeError("a datum produced no output")
-    return outputs, sum(rank_loss for rank_loss, _ in gathered)  # type: ignore[return-value]
+    outputs = collect_outputs((r for _, part in gathered for r in part), n)
+    return outputs, sum(rank_loss for rank_loss, _ in gathered)

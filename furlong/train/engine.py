@@ -56,6 +56,41 @@ class EngineConfig:
     optimizer: OptimizerConfig = OptimizerConfig()  # kind (adamw | muon) and state store
 
 
+@dataclass(frozen=True)
+class Call:
+    """A validated loss pass: what each of its microbatches needs besides the datum indices."""
+
+    datums: Sequence[Datum]
+    objective: Objective
+    config: Mapping[str, float]
+    temperature: float
+    backward: bool
+    supports: list[RowSupports] | None  # per datum: the rollout's kept sets
+    routing: list[torch.Tensor | None] | None  # per datum: MoE routes to replay
+
+
+def collect_outputs(
+    results: Iterable[tuple[int, dict[str, torch.Tensor]]], n: int
+) -> list[dict[str, torch.Tensor]]:
+    """Per-datum outputs in request order, each datum exactly once."""
+    outputs: list[dict[str, torch.Tensor] | None] = [None] * n
+    for index, out in results:
+        if outputs[index] is not None:
+            raise RuntimeError(f"datum {index} produced two outputs in one call")
+        outputs[index] = out
+    if any(o is None for o in outputs):
+        raise RuntimeError("a datum produced no output")
+    return outputs  # type: ignore[return-value]
+
+
+def call_metrics(datums: Sequence[Datum], loss_sum: float) -> dict[str, float]:
+    return {
+        "loss:sum": loss_sum,
+        "num_tokens:sum": float(sum(len(d) for d in datums)),
+        "num_datums:sum": float(len(datums)),
+    }
+
+
 class TrainingEngine:
     """Trains one causal LM. Every loss, log-prob and gradient of furlong goes through here."""
 
@@ -169,6 +204,28 @@ class TrainingEngine:
         backward: bool,
     ) -> ForwardResult:
         self._check_awake("forward_backward" if backward else "forward")
+        call = self.prepare_call(
+            datums, loss_fn, loss_fn_config, temperature, sampling_masks, routed_experts, backward
+        )
+        loss_sum, results = 0.0, []
+        plan = plan_microbatches([len(d) for d in datums], self.config.max_tokens_per_microbatch)
+        for group in plan:
+            total, outs = self.run_group(call, group)
+            loss_sum += total
+            results += outs
+        return ForwardResult(collect_outputs(results, len(datums)), call_metrics(datums, loss_sum))
+
+    def prepare_call(
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: Mapping[str, object] | None,
+        temperature: float,
+        sampling_masks: Sequence[Any] | None,
+        routed_experts: Sequence[Any] | None,
+        backward: bool,
+    ) -> Call:
+        """Validate a whole request (nothing runs or changes before it passes)."""
         objective, config = validate_batch(
             datums,
             loss_fn,
@@ -180,40 +237,28 @@ class TrainingEngine:
             raise InputError(f"temperature: must be > 0, got {temperature!r}")
         supports = row_supports(datums, sampling_masks)
         routing = check_routing(self.model, datums, routed_experts)
-        outputs: list[dict[str, torch.Tensor] | None] = [None] * len(datums)
-        loss_sum = 0.0
-        plan = plan_microbatches([len(d) for d in datums], self.config.max_tokens_per_microbatch)
-        for group in plan:
-            mb = collate(
-                [datums[i] for i in group],
-                group,
-                objective.inputs,
-                self.pad_token_id,
-                self.config.device,
+        return Call(datums, objective, config, temperature, backward, supports, routing)
+
+    def run_group(
+        self, call: Call, group: Sequence[int], pad: Datum | None = None
+    ) -> tuple[float, list[tuple[int, dict[str, torch.Tensor]]]]:
+        """One microbatch of ``call``'s datums ``group``; ``PADDING`` slots (which fill ranks)
+        take ``pad``, a datum whose mask is 0."""
+        datums = [pad if i == PADDING else call.datums[i] for i in group]
+        mb = collate(datums, group, call.objective.inputs, self.pad_token_id, self.config.device)
+        supports = None
+        if call.supports is not None:  # a padding datum is scored over the full vocabulary
+            pad_rows = None if pad is None else row_supports([pad], [None])[0]
+            supports = concat_supports(
+                [pad_rows if i == PADDING else call.supports[i] for i in group]
             )
-            group_supports = (
-                None if supports is None else concat_supports([supports[i] for i in group])
-            )
-            forced = None
-            if routing is not None:
-                parts = [routing[i] if i != PADDING else None for i in group]
-                forced = forced_rows(parts, mb.lengths, mb.input_ids.shape[1])
-            total, results = self.run_microbatch(
-                mb, objective, config, temperature, backward, group_supports, forced
-            )
-            loss_sum += total
-            for index, out in results:
-                if outputs[index] is not None:
-                    raise RuntimeError(f"datum {index} produced two outputs in one call")
-                outputs[index] = out
-        if any(o is None for o in outputs):
-            raise RuntimeError("a datum produced no output")
-        metrics = {
-            "loss:sum": loss_sum,
-            "num_tokens:sum": float(sum(len(d) for d in datums)),
-            "num_datums:sum": float(len(datums)),
-        }
-        return ForwardResult(outputs=outputs, metrics=metrics)  # type: ignore[arg-type]
+        forced = None
+        if call.routing is not None:
+            routes = [None if i == PADDING else call.routing[i] for i in group]
+            forced = forced_rows(routes, mb.lengths, mb.input_ids.shape[1])
+        return self.run_microbatch(
+            mb, call.objective, call.config, call.temperature, call.backward, supports, forced
+        )
 
     def run_microbatch(
         self,
@@ -378,13 +423,13 @@ class TrainingEngine:
             for n, p in zip(self.param_names, self.params, strict=True)
         }
         optim = [
-            {k: v.to("cpu", copy=True) for k, v in self._optim_tensors(p).items()}
+            {k: v.to("cpu", copy=True) for k, v in movable_state(self.optimizer, p).items()}
             for p in self.params
         ]
         for p in self.params:  # empty placeholders keep each tensor's dtype and device
             p.data = p.data.new_empty(0)
             state = self.optimizer.state.get(p, {})
-            for k, v in self._optim_tensors(p).items():
+            for k, v in movable_state(self.optimizer, p).items():
                 state[k] = v.new_empty(0)
         self.host_weights, self._host_optim = weights, optim
         self.clear_caches()
@@ -411,16 +456,16 @@ class TrainingEngine:
         if torch.device(self.config.device).type == "cuda":
             torch.cuda.empty_cache()
 
-    def _optim_tensors(self, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
-        """What sleep moves: file-backed (disk-store) state already lives off the device."""
-        state = self.optimizer.state.get(p, {})  # get: indexing would add an empty entry
-        return {
-            k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not is_file_backed(v)
-        }
-
     def _check_awake(self, where: str) -> None:
         if self.host_weights is not None:
             raise InputError(f"{where}: the engine is asleep (weights in host memory); wake first")
+
+
+def movable_state(optimizer: Any, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    """``p``'s optimizer state tensors that ``sleep`` moves: file-backed (disk-store) state
+    already lives off the device and stays where it is."""
+    state = optimizer.state.get(p, {})  # get: indexing would add an empty entry
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not is_file_backed(v)}
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:

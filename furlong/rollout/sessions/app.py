@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +33,7 @@ from furlong.rollout.sessions.service import (
     TurnAborted,
 )
 from furlong.rollout.sessions.wire import sample_to_json
+from furlong.serving import read_json_object
 
 _ERRORS: dict[type[Exception], tuple[int, str]] = {
     AssemblyError: (422, "assembly_error"),
@@ -48,23 +48,6 @@ def _error(status: int, kind: str, message: str) -> JSONResponse:
     headers = {"Retry-After": "1"} if status == 503 else None
     body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-async def _body(request: Request, allowed: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """The JSON object body ({} when empty); ``allowed`` rejects unknown keys."""
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = await request.json()
-    except ValueError as exc:
-        raise InputError(f"body: not JSON ({exc})") from None
-    if not isinstance(body, dict):
-        raise InputError(f"body: expected a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - set(allowed)) if allowed is not None else []
-    if unknown:
-        raise InputError(f"body: unknown fields {unknown}; expected some of {list(allowed)}")
-    return body
 
 
 def create_app(server: SessionServer) -> FastAPI:
@@ -88,7 +71,7 @@ def create_app(server: SessionServer) -> FastAPI:
 
     @app.post("/sessions")
     async def open_session(request: Request) -> dict:
-        body = await _body(request, allowed=("return_sampling_mask",))
+        body = await read_json_object(request, required=False, allowed=("return_sampling_mask",))
         session = server.open(body.get("return_sampling_mask", False))
         return {"id": session.id, "base_url": f"/sessions/{session.id}/v1"}
 
@@ -111,7 +94,7 @@ def create_app(server: SessionServer) -> FastAPI:
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat(session_id: str, request: Request) -> dict:
         server.get(session_id)  # 404 before reading the body
-        return await server.chat(session_id, await _body(request))
+        return await server.chat(session_id, await read_json_object(request, required=False))
 
     @app.get("/sessions/{session_id}/v1/models")
     async def models(session_id: str) -> dict:
@@ -121,14 +104,14 @@ def create_app(server: SessionServer) -> FastAPI:
 
     @app.post("/sessions/{session_id}/samples")
     async def samples(session_id: str, request: Request) -> dict:
-        body = await _body(request, allowed=("reward", "max_length"))
+        body = await read_json_object(request, required=False, allowed=("reward", "max_length"))
         sample = server.sample(session_id, body.get("reward"), body.get("max_length"))
         return {"samples": [sample_to_json(sample)]}
 
     @app.post("/weights")
     async def publish(request: Request) -> dict:
         """For a trainer in another process; in process, call ``server.publish_weights``."""
-        body = await _body(request, allowed=("path", "version"))
+        body = await read_json_object(request, required=False, allowed=("path", "version"))
         path, version = body.get("path"), body.get("version")
         if not isinstance(path, str) or not Path(path).exists():
             raise InputError(
