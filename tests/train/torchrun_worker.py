@@ -9,6 +9,7 @@ import json
 import sys
 
 import torch
+import torch.distributed as dist
 
 from furlong.train.distributed import DistributedEngine, init_distributed
 from furlong.train.engine import EngineConfig, TrainingEngine
@@ -61,6 +62,10 @@ def main(out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"world_size": world, "steps": ranks.step, **diffs}, f)
+    # leave together: a rank exiting while gloo still runs its peer's threads can abort
+    # ("terminate called without an active exception")
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
