@@ -93,6 +93,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_datums=args.max_datums,
         max_tokens_per_datum=args.max_tokens_per_datum,
         max_body_mb=args.max_body_mb,
+        max_samples=args.max_samples,
+        max_sample_tokens=args.max_sample_tokens,
         compress_fwdbwd=args.compress_fwdbwd,
         trainer_ranks=args.trainer_ranks,
         optimizer_state_dir=args.optimizer_state_dir,
@@ -183,7 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-datums", type=int, default=4096, help="per forward_backward")
     serve.add_argument("--max-tokens-per-datum", type=int, default=32_768)
-    serve.add_argument("--max-body-mb", type=int, default=256, help="request body limit (413)")
+    serve.add_argument(
+        "--max-body-mb", type=int, default=256, help="request body limit, also once inflated (413)"
+    )
+    serve.add_argument("--max-samples", type=int, default=1024, help="num_samples per request")
+    serve.add_argument(
+        "--max-sample-tokens",
+        type=int,
+        default=4096,
+        help="max_tokens per sample request (also bounded by the model's context)",
+    )
     serve.add_argument(
         "--compress-fwdbwd", action="store_true", help="ask clients to zstd forward_backward"
     )

@@ -30,6 +30,8 @@ async def read_json_object(
         body = await request.json()
     except ValueError as exc:
         raise InputError(f"body: not JSON ({exc})") from None
+    except RecursionError:  # arrays or objects nested deeper than the parser recurses
+        raise InputError("body: JSON nested too deeply") from None
     if not isinstance(body, dict):
         raise InputError(f"body: expected a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - set(allowed)) if allowed is not None else []

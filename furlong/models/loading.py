@@ -3,8 +3,12 @@ hub id (the last only where a network exists)."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import re
 import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -57,40 +61,174 @@ def load_tokenizer(spec: str | os.PathLike) -> Any:
     return tokenizer
 
 
+# What publish_dir leaves beside ``<name>``: ``.<name>.tmp-<8 hex>`` (being written, or the old
+# copy swapped out) and ``.<name>.old-<8 hex>`` (the old copy parked by the two-rename fallback).
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]{8}")
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
 def atomic_dir(out: str | os.PathLike) -> tuple[Path, Path]:
     """``(tmp, final)``: write into ``tmp``, then ``publish_dir(tmp, final)``."""
     final = Path(out)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = _sibling(final, "tmp")
     tmp.mkdir()
     return tmp, final
 
 
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Put the complete directory ``tmp`` at ``final``; after a crash at any point ``final`` is
+    the old or the new copy (or, on the fallback path, ``recover_published`` makes it so).
+
+    Overwrite swaps the two with one ``renameat2(RENAME_EXCHANGE)``; where the kernel, libc or
+    filesystem lacks it, two renames with the old copy parked at ``.<name>.old-*``."""
+    _fsync_tree(tmp)  # the contents reach the disk before any name points at them
+    if _rename_new(tmp, final):
+        return
+    if _exchange(tmp, final):
+        _fsync(final.parent)
+        shutil.rmtree(tmp, ignore_errors=True)  # the old copy, now at the temp name
+    else:
+        _replace_in_two_steps(tmp, final)
+
+
+def remove_dir(final: Path) -> None:
+    """Delete a published directory: renamed to a temp name first, so a crash mid-delete never
+    leaves a half-deleted copy under its real name (``recover_published`` purges the rest)."""
+    doomed = _sibling(final, "tmp")
+    final.rename(doomed)
+    _fsync(final.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def recover_published(root: str | os.PathLike) -> list[Path]:
+    """Undo what a crash mid-``publish_dir`` left anywhere under ``root``: where ``final`` is
+    missing its parked ``.<final>.old-*`` copy moves back, and every other ``.<name>.tmp-*`` /
+    ``.<name>.old-*`` directory is removed. Returns the restored directories.
+
+    Only call it while nothing publishes under ``root`` (at start-up): a live writer's temp
+    directory looks the same as a dead one's."""
+    restored: list[Path] = []
+    pending = [Path(root)]
+    while pending:
+        parent = pending.pop()
+        subdirs = [e for e in _scandir(parent) if e.is_dir(follow_symlinks=False)]
+        leftovers = [Path(e.path) for e in subdirs if _LEFTOVER.fullmatch(e.name)]
+        back = _recover_siblings(parent, leftovers)
+        restored += back
+        pending += back + [Path(e.path) for e in subdirs if not _LEFTOVER.fullmatch(e.name)]
+    return restored
+
+
+def _sibling(final: Path, kind: str) -> Path:
+    return final.parent / f".{final.name}.{kind}-{uuid.uuid4().hex[:8]}"
+
+
+def _rename_new(tmp: Path, final: Path) -> bool:
+    """First publish: a plain rename. False when ``final`` exists (also if it just appeared)."""
+    if os.path.lexists(final):
+        return False
+    try:
+        tmp.rename(final)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        raise
+    _fsync(final.parent)
+    return True
+
+
+def _replace_in_two_steps(tmp: Path, final: Path) -> None:
+    """Without RENAME_EXCHANGE: a crash between the renames leaves ``final`` missing and the
+    acknowledged copy at ``.<name>.old-*``, where ``recover_published`` finds it."""
+    old = _sibling(final, "old")
+    final.rename(old)
+    _fsync(final.parent)
+    tmp.rename(final)
+    old.rename(tmp)  # a partly deleted copy must never carry the name recovery restores
+    _fsync(final.parent)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_renameat2() -> Any:
+    if sys.platform != "linux":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_LIBC_RENAMEAT2 = _load_renameat2()
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> int:
+    """0, or the errno of ``renameat2`` (ENOSYS where libc has none)."""
+    if _LIBC_RENAMEAT2 is None:
+        return errno.ENOSYS
+    if _LIBC_RENAMEAT2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return 0
+    return ctypes.get_errno()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step; False where the kernel, libc or fs cannot."""
+    err = _renameat2(a, b, _RENAME_EXCHANGE)
+    if err in _UNSUPPORTED:
+        return False
+    if err:
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
+    return True
+
+
+def _recover_siblings(parent: Path, leftovers: list[Path]) -> list[Path]:
+    parked: dict[str, list[Path]] = {}
+    for path in leftovers:
+        match = _LEFTOVER.fullmatch(path.name)
+        if match and match["kind"] == "old":
+            parked.setdefault(match["name"], []).append(path)
+    restored = []
+    for name, copies in parked.items():
+        final = parent / name
+        if not os.path.lexists(final):
+            # one crash parks one copy; if several, the last parked (rename sets ctime)
+            max(copies, key=lambda p: p.stat().st_ctime_ns).rename(final)
+            restored.append(final)
+    if restored:
+        _fsync(parent)
+    for path in leftovers:
+        if path.exists():
+            shutil.rmtree(path, ignore_errors=True)
+    return restored
+
+
+def _scandir(path: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as entries:
+            return list(entries)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def _fsync_tree(root: Path) -> None:
     for path in root.rglob("*"):
-        if path.is_file():
-            with path.open("rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(root, os.O_RDONLY)
+        if path.is_file() or path.is_dir():
+            _fsync(path)
+    _fsync(root)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file, or a directory's entries (so a rename in it survives a power cut)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def publish_dir(tmp: Path, final: Path) -> None:
-    """Swap ``tmp`` into ``final`` with renames, so readers never see a half-written dir.
-
-    The files are fsynced first: after a crash the directory is either the old one or the
-    complete new one."""
-    _fsync_tree(tmp)
-    old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def save_hf_dir(model: PreTrainedModel, tokenizer: Any, out: str | os.PathLike) -> Path:

@@ -16,6 +16,9 @@ from other threads and take effect between two steps.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import itertools
 import os
 import threading
@@ -96,6 +99,8 @@ class EmbeddedEngine:
         self.weight_version = 0
         self.device = next(model.parameters()).device
         self.vocab_size = int(model.get_output_embeddings().out_features)
+        # prompt + max_tokens beyond this is refused before any KV cache is allocated
+        self.context_length: int | None = getattr(model.config, "max_position_embeddings", None)
         eos = model.generation_config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.router = RoutingRecorder(model)
@@ -205,13 +210,18 @@ class EmbeddedEngine:
         self._to_abort.clear()
         self._cond.notify_all()
 
-    def _request(
+    def check_requests(
         self,
-        index: int,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-    ) -> _Request:
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+    ) -> None:
+        """Validate requests exactly as :meth:`submit_many` would, queueing nothing (a front
+        end that feeds the engine in waves checks the whole request first)."""
+        plist = expand_params(len(prompts), params)
+        for i, (prompt, sp) in enumerate(zip(prompts, plist, strict=True)):
+            self._check_request(i, prompt, sp)
+
+    def _check_request(self, index: int, prompt: Sequence[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise InputError(f"params[{index}]: expected SamplingParams, got {type(params)}")
         if not prompt:
@@ -221,6 +231,21 @@ class EmbeddedEngine:
             raise InputError(f"prompts[{index}]: token id {bad[0]} outside [0, {self.vocab_size})")
         if params.return_routed_experts and not self.router.is_moe:
             raise InputError(f"params[{index}].return_routed_experts: the model has no MoE routers")
+        context = self.context_length
+        if context is not None and len(prompt) + params.max_tokens > context:
+            raise InputError(
+                f"params[{index}].max_tokens: {len(prompt)} prompt tokens + max_tokens "
+                f"{params.max_tokens} exceed the model's context of {context}"
+            )
+
+    def _request(
+        self,
+        index: int,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> _Request:
+        self._check_request(index, prompt, params)
         return _Request(
             request_id=next(self._ids) if request_id is None else request_id,
             prompt=[int(t) for t in prompt],
@@ -400,6 +425,7 @@ class EmbeddedEngine:
                     for request in {id(r): r for r in [*self._batch.running, *joining]}.values():
                         request.future.set_exception(exc)
                     self._batch.clear()
+                    release_host_memory()  # a failed (e.g. oversized) step's cache goes back
                     continue
                 for request, reason, version in finished:
                     request.future.set_result(self._result(request, reason, version))
@@ -571,3 +597,14 @@ def _wants_routing(requests: list[_Request]) -> bool:
 def _release_device_cache(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def release_host_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc keeps them otherwise,
+    so one failed large request would pin its peak memory for the life of the server)."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name is not None:
+        libc = ctypes.CDLL(name)
+        if hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)

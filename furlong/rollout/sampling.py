@@ -10,12 +10,74 @@ tokens do not depend on which other requests share its batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from furlong.errors import InputError
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64-bit unsigned seeds
+
+
+def check_seed(seed: object, field: str = "seed") -> int:
+    """The one rule for request seeds (every front door applies it): an integer, not a bool,
+    in ``[0, MAX_SEED]``. ``field`` names it in the :class:`InputError`."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise InputError(f"{field}: expected an integer, got {seed!r}")
+    if not 0 <= seed <= MAX_SEED:
+        raise InputError(f"{field}: must be in [0, {MAX_SEED}], got {seed}")
+    return int(seed)
+
+
+def fit_max_tokens(
+    asked: int | None, prompt_len: int, context: int | None, cap: int, field: str = "max_tokens"
+) -> int:
+    """A request's ``max_tokens``: at most ``cap`` and what the model's context leaves after the
+    prompt, which is also the default when the client asks for none. Front ends call it before
+    anything is queued, so an oversized request never reaches the engine."""
+    room = cap
+    if context is not None:
+        if prompt_len >= context:
+            raise InputError(
+                f"prompt: {prompt_len} tokens leave no room in the model's context of {context}"
+            )
+        room = min(cap, context - prompt_len)
+    if asked is None:
+        return room
+    if asked > room:
+        raise InputError(
+            f"{field}: {asked} is more than the {room} this request may generate "
+            f"({prompt_len} prompt tokens, context {context}, server cap {cap})"
+        )
+    return asked
+
+
+def _check_int(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InputError(f"sampling_params.{field}: expected an integer, got {value!r}")
+
+
+def _check_real(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InputError(f"sampling_params.{field}: expected a number, got {value!r}")
+
+
+def _token_ids(ids: object) -> tuple[int, ...]:
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        raise InputError(f"sampling_params.stop_token_ids: expected a list of ids, got {ids!r}")
+    out = []
+    for i, t in enumerate(ids):
+        try:  # ints, numpy ints and one-element integer tensors; not bools, floats or text
+            value = None if isinstance(t, bool) else operator.index(t)
+        except TypeError:
+            value = None
+        if value is None or value < 0:
+            raise InputError(f"sampling_params.stop_token_ids[{i}]: expected an id >= 0, got {t!r}")
+        out.append(value)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -40,32 +102,31 @@ class SamplingParams:
         def fail(field: str, why: str) -> None:
             raise InputError(f"sampling_params.{field}: {why}")
 
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            fail("max_tokens", f"expected an integer, got {self.max_tokens!r}")
+        counts = ("top_logprobs", "prompt_top_logprobs", "routed_experts_start")
+        for field in ("max_tokens", "top_k", *counts):
+            _check_int(field, getattr(self, field))
+        for field in ("temperature", "top_p", "min_p"):
+            _check_real(field, getattr(self, field))
+        for field in ("return_sampling_mask", "prompt_logprobs", "return_routed_experts"):
+            if not isinstance(getattr(self, field), bool):
+                fail(field, f"expected a bool, got {getattr(self, field)!r}")
         if self.max_tokens < 1:
             fail("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             fail("temperature", f"must be finite and >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
-            fail("top_k", f"expected an integer, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             fail("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p < 1.0:
             fail("min_p", f"must be in [0, 1), got {self.min_p}")
-        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int):
-            fail("top_logprobs", f"expected an integer, got {self.top_logprobs!r}")
-        if self.routed_experts_start < 0:
-            fail("routed_experts_start", f"must be >= 0, got {self.routed_experts_start}")
-        if self.top_logprobs < 0:
-            fail("top_logprobs", f"must be >= 0, got {self.top_logprobs}")
-        if isinstance(self.prompt_top_logprobs, bool) or not isinstance(
-            self.prompt_top_logprobs, int
-        ):
-            fail("prompt_top_logprobs", f"expected an integer, got {self.prompt_top_logprobs!r}")
-        if self.prompt_top_logprobs < 0:
-            fail("prompt_top_logprobs", f"must be >= 0, got {self.prompt_top_logprobs}")
+        for field in counts:
+            if getattr(self, field) < 0:
+                fail(field, f"must be >= 0, got {getattr(self, field)}")
+        if self.seed is not None:
+            object.__setattr__(self, "seed", check_seed(self.seed, "sampling_params.seed"))
         if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+            object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        if isinstance(self.stop, str) or not isinstance(self.stop, Sequence):
+            fail("stop", f"expected a list of strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "stop strings must be non-empty strings")

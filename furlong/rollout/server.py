@@ -7,7 +7,8 @@ Endpoints (SGLang's names and bodies): ``POST /generate``, ``GET /health``,
 ``POST /resume_memory_occupation``, ``POST /flush_cache``, ``POST /abort_request``; and
 furlong's ``POST /furlong/update_weights_bucket`` (bucketed weights as safetensors bytes).
 Concurrent ``/generate`` calls join one running batch. Bad requests get HTTP 400 with
-``{"error": {"message": ...}}`` naming the field (SGLang's error shape), and nothing is queued.
+``{"error": {"message": ...}}`` naming the field (SGLang's error shape), and nothing is queued;
+bodies over ``max_body_bytes`` get 413.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from furlong.errors import InputError
 from furlong.rollout import sglang_wire as wire
@@ -30,17 +33,31 @@ from furlong.rollout.base import MEMORY_TAGS, check_tags
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.serving import read_json_object
 
+# Bodies past this are refused (413) as they arrive: a /generate batch of 1,000 prompts of
+# 4,096 ids is about 25 MB of JSON. A weight bucket holds whole tensors (an embedding alone
+# can be GBs), so that route takes any size.
+MAX_BODY_BYTES = 64 << 20
+_ANY_SIZE = 1 << 50
+
 
 def _error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
-def create_app(engine: EmbeddedEngine, model_path: str = "") -> FastAPI:
-    app = FastAPI(title="furlong rollout server (SGLang protocol)")
+def create_app(
+    engine: EmbeddedEngine, model_path: str = "", max_body_bytes: int = MAX_BODY_BYTES
+) -> FastAPI:
+    app = FastAPI(title="furlong rollout server (SGLang protocol)", max_body_size=max_body_bytes)
 
     @app.exception_handler(InputError)
     async def _bad_input(_request: Request, exc: InputError) -> JSONResponse:
         return _error(str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 413:
+            return _error(f"body: over the server's limit of {max_body_bytes} bytes", 413)
+        return _error(str(exc.detail), exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_schema(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -116,11 +133,13 @@ def create_app(engine: EmbeddedEngine, model_path: str = "") -> FastAPI:
             failure = f"weight_version: furlong versions are integers, got {raw_version!r}"
         if failure is None:
             try:
-                if body.get("abort_all_requests"):
+                if wire.flag(body.get("abort_all_requests"), "abort_all_requests"):
                     await run_in_threadpool(engine.abort)
                 new = await run_in_threadpool(engine.update_weights, path, version)
             except InputError as e:
                 failure = str(e)
+            except (OSError, SafetensorError) as e:  # unreadable, or not safetensors
+                failure = f"model_path: cannot load {path!r} ({e})"
         if failure is not None:
             return JSONResponse(
                 {"success": False, "message": failure, "num_paused_requests": 0}, 400
@@ -133,7 +152,7 @@ def create_app(engine: EmbeddedEngine, model_path: str = "") -> FastAPI:
             }
         )
 
-    @app.post("/furlong/update_weights_bucket")
+    @app.post("/furlong/update_weights_bucket", max_body_size=_ANY_SIZE)
     async def update_bucket(
         request: Request, final: bool = True, weight_version: int | None = None
     ):
@@ -194,35 +213,10 @@ def create_app(engine: EmbeddedEngine, model_path: str = "") -> FastAPI:
 
 def _parse_generate(engine: EmbeddedEngine, body: dict) -> tuple[bool, list, list, list]:
     """(is_batch, prompts, params, request ids) from a ``/generate`` body, all validated."""
-    if body.get("stream"):
+    if wire.flag(body.get("stream"), "stream"):
         raise InputError("stream: streaming is not supported by furlong's rollout server")
-    if body.get("logprob_start_len") is None:
-        body["logprob_start_len"] = -1
-    if not isinstance(body["logprob_start_len"], int):
-        raise InputError("logprob_start_len: expected an integer")
-    ids, text = body.get("input_ids"), body.get("text")
-    if (ids is None) == (text is None):
-        raise InputError("input_ids / text: give exactly one of them")
-    if text is not None:
-        batch = isinstance(text, list)
-        texts = text if batch else [text]
-        if not all(isinstance(t, str) for t in texts):
-            raise InputError("text: expected a string or a list of strings")
-        prompts = [engine.tokenizer(t)["input_ids"] for t in texts]
-    else:
-        if not isinstance(ids, list) or not ids:
-            raise InputError("input_ids: expected a non-empty list")
-        batch = isinstance(ids[0], list)
-        prompts = ids if batch else [ids]
-        for i, p in enumerate(prompts):
-            name = f"input_ids[{i}]" if batch else "input_ids"
-            if not isinstance(p, list) or not p:
-                raise InputError(f"{name}: expected a non-empty list of integers")
-            for j, t in enumerate(p):
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise InputError(f"{name}[{j}]: expected an integer, got {t!r}")
-                if not 0 <= t < engine.vocab_size:
-                    raise InputError(f"{name}[{j}]: token id {t} outside [0, {engine.vocab_size})")
+    body["logprob_start_len"] = wire.integer(body.get("logprob_start_len"), "logprob_start_len", -1)
+    batch, prompts = _prompts(engine, body.get("input_ids"), body.get("text"))
     n = len(prompts)
     sps = body.get("sampling_params")
     if isinstance(sps, list):
@@ -239,17 +233,54 @@ def _parse_generate(engine: EmbeddedEngine, body: dict) -> tuple[bool, list, lis
                 )
     where = (lambda i: f"sampling_params[{i}]") if batch else (lambda i: "sampling_params")
     params = [wire.sampling_params(sp, body, engine.eos_ids, where(i)) for i, sp in enumerate(sps)]
-    rid = body.get("rid")
+    return batch, prompts, params, _request_ids(body.get("rid"), n, batch)
+
+
+def _prompts(engine: EmbeddedEngine, ids: Any, text: Any) -> tuple[bool, list[list[int]]]:
+    """(is_batch, prompt token ids) from ``input_ids`` or ``text``: one prompt or a list."""
+    if (ids is None) == (text is None):
+        raise InputError("input_ids / text: give exactly one of them")
+    if text is not None:
+        batch = isinstance(text, list)
+        texts = text if batch else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise InputError("text: expected a string or a non-empty list of strings")
+        prompts = [engine.tokenizer(t)["input_ids"] for t in texts]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise InputError(f"{f'text[{i}]' if batch else 'text'}: no tokens")
+        return batch, prompts
+    if not isinstance(ids, list) or not ids:
+        raise InputError("input_ids: expected a non-empty list")
+    batch = isinstance(ids[0], list)
+    prompts = ids if batch else [ids]
+    for i, p in enumerate(prompts):
+        name = f"input_ids[{i}]" if batch else "input_ids"
+        if not isinstance(p, list) or not p:
+            raise InputError(f"{name}: expected a non-empty list of integers")
+        for j, t in enumerate(p):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise InputError(f"{name}[{j}]: expected an integer, got {t!r}")
+            if not 0 <= t < engine.vocab_size:
+                raise InputError(f"{name}[{j}]: token id {t} outside [0, {engine.vocab_size})")
+    return batch, prompts
+
+
+def _request_ids(rid: Any, n: int, batch: bool) -> list[str]:
+    """SGLang's ``rid``: one string (a batch gets ``{rid}_{i}``), one per prompt, or none."""
     if rid is None:
         base = uuid.uuid4().hex
-        rids = [f"{base}_{i}" for i in range(n)] if batch else [base]
-    elif isinstance(rid, list):
+        return [f"{base}_{i}" for i in range(n)] if batch else [base]
+    if isinstance(rid, list):
         if len(rid) != n:
             raise InputError(f"rid: {len(rid)} for {n} prompts")
-        rids = [str(r) for r in rid]
-    else:
-        rids = [f"{rid}_{i}" for i in range(n)] if batch else [str(rid)]
-    return batch, prompts, params, rids
+        for i, r in enumerate(rid):
+            if isinstance(r, bool) or not isinstance(r, str | int):
+                raise InputError(f"rid[{i}]: expected a string, got {r!r}")
+        return [str(r) for r in rid]
+    if isinstance(rid, bool) or not isinstance(rid, str | int):
+        raise InputError(f"rid: expected a string or a list of strings, got {rid!r}")
+    return [f"{rid}_{i}" for i in range(n)] if batch else [str(rid)]
 
 
 def _tags(body: dict) -> list[str]:

@@ -21,7 +21,7 @@ import torch
 
 from furlong.errors import InputError
 from furlong.rollout.base import GenerateResult
-from furlong.rollout.sampling import SamplingParams
+from furlong.rollout.sampling import SamplingParams, check_seed
 from furlong.rollout.sampling_mask import SamplingMask
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -115,48 +115,91 @@ def request_body(prompt: list[int], params: SamplingParams, request_id: str | No
 
 def sampling_params(sp: Any, top: Mapping[str, Any], eos_ids: Iterable[int], where: str):
     """``SamplingParams`` from one item's ``sampling_params`` dict and the request's top-level
-    options (server side). Unsupported keys are rejected by name."""
+    options (server side). Unsupported keys are rejected by name; every value is type-checked
+    here, before SGLang's conventions are mapped (``top_k`` -1, tiny temperatures)."""
     if sp is None:
         sp = {}
     if not isinstance(sp, Mapping):
         raise InputError(f"{where}: expected an object, got {type(sp).__name__}")
     for key, value in sp.items():
         if key in _NEUTRAL:
-            if value is not None and value != _NEUTRAL[key]:
+            if value is not None and (isinstance(value, bool) or value != _NEUTRAL[key]):
                 raise InputError(f"{where}.{key}: not supported (only {_NEUTRAL[key]!r})")
-        elif key not in _SAMPLING_KEYS and key not in _TEXT_ONLY:
+        elif key in _TEXT_ONLY:
+            flag(value, f"{where}.{key}")
+        elif key not in _SAMPLING_KEYS:
             raise InputError(f"{where}.{key}: unknown sampling parameter")
-    get = {k: v for k, v in sp.items() if v is not None}.get
-    temperature = float(get("temperature", 1.0))
-    top_k = int(get("top_k", -1))
-    stop = get("stop", [])
-    ids = get("stop_token_ids")
-    if ids is not None and not isinstance(ids, list):
-        raise InputError(f"{where}.stop_token_ids: expected a list of ints")
-    if get("ignore_eos", False):
+    temperature = number(sp.get("temperature"), f"{where}.temperature", 1.0)
+    top_k = integer(sp.get("top_k"), f"{where}.top_k", -1)
+    seed = sp.get("sampling_seed")
+    stop = [] if sp.get("stop") is None else sp["stop"]
+    ids = _token_ids(sp.get("stop_token_ids"), f"{where}.stop_token_ids")
+    if flag(sp.get("ignore_eos"), f"{where}.ignore_eos"):
         stop_ids = tuple(ids or ())
     else:
         stop_ids = None if ids is None else tuple(sorted({*ids, *eos_ids}))
+    fields = dict(
+        max_tokens=integer(
+            sp.get("max_new_tokens"), f"{where}.max_new_tokens", DEFAULT_MAX_NEW_TOKENS, 1
+        ),
+        temperature=0.0 if temperature < 1e-6 else temperature,
+        top_k=0 if top_k < 0 or top_k >= _ALL_TOP_K else top_k,
+        top_p=number(sp.get("top_p"), f"{where}.top_p", 1.0),
+        min_p=number(sp.get("min_p"), f"{where}.min_p", 0.0),
+        seed=None if seed is None else check_seed(seed, f"{where}.sampling_seed"),
+        stop_token_ids=stop_ids,
+        stop=(stop,) if isinstance(stop, str) else stop,
+        return_sampling_mask=flag(top.get("return_sampling_mask"), "return_sampling_mask"),
+        prompt_logprobs=flag(top.get("return_logprob"), "return_logprob")
+        and top["logprob_start_len"] >= 0,
+        top_logprobs=integer(top.get("top_logprobs_num"), "top_logprobs_num", 0, 0),
+        return_routed_experts=flag(top.get("return_routed_experts"), "return_routed_experts"),
+        routed_experts_start=integer(
+            top.get("routed_experts_start_len"), "routed_experts_start_len", 0, 0
+        ),
+    )
     try:
-        return SamplingParams(
-            max_tokens=int(get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
-            temperature=0.0 if temperature < 1e-6 else temperature,
-            top_k=0 if top_k < 0 or top_k >= _ALL_TOP_K else top_k,
-            top_p=float(get("top_p", 1.0)),
-            min_p=float(get("min_p", 0.0)),
-            seed=get("sampling_seed"),
-            stop_token_ids=stop_ids,
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            return_sampling_mask=bool(top.get("return_sampling_mask", False)),
-            prompt_logprobs=bool(top.get("return_logprob")) and top["logprob_start_len"] >= 0,
-            top_logprobs=int(top.get("top_logprobs_num") or 0),
-            return_routed_experts=bool(top.get("return_routed_experts", False)),
-            routed_experts_start=int(top.get("routed_experts_start_len") or 0),
-        )
+        return SamplingParams(**fields)
     except InputError as e:  # "sampling_params.top_p: ..." -> "sampling_params[2].top_p: ..."
         raise InputError(f"{where}{str(e).removeprefix('sampling_params')}") from e
-    except (TypeError, ValueError) as e:
-        raise InputError(f"{where}: {e}") from e
+
+
+def number(value: Any, field: str, default: float) -> float:
+    """A finite JSON number (``null``: the default)."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InputError(f"{field}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def integer(value: Any, field: str, default: int, minimum: int | None = None) -> int:
+    """A JSON integer (``null``: the default); ``3.0`` is refused like SGLang's int fields."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{field}: expected an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise InputError(f"{field}: must be >= {minimum}, got {value}")
+    return value
+
+
+def flag(value: Any, field: str) -> bool:
+    """A JSON bool (``null``: false); ``"false"`` must not read as true."""
+    if value is not None and not isinstance(value, bool):
+        raise InputError(f"{field}: expected a bool, got {value!r}")
+    return bool(value)
+
+
+def _token_ids(value: Any, field: str) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise InputError(f"{field}: expected a list of integers, got {value!r}")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise InputError(f"{field}[{i}]: expected a token id >= 0, got {t!r}")
+    return value
 
 
 # ------------------------------------------------------------------ response

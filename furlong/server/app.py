@@ -2,9 +2,12 @@
 
 Request bodies are parsed with the ``tinker`` SDK's own types (JSON) and its protobuf schema
 (``forward_backward``), so the schema cannot drift from the client. Submission errors are
-HTTP 400 with a JSON body naming the field; execution errors come back through the future
-(HTTP 200 ``{"error", "category"}``); another tenant's objects are 404; a missing or unknown
-key is 401.
+HTTP 400 with a JSON body naming the field (a refused seq-numbered request still consumes its
+``seq_id``); a ``seq_id`` resent with a different body is 409; a body over the limit (as sent
+or once inflated) is 413; execution errors come back through the future (HTTP 200
+``{"error", "category"}``); another tenant's objects are 404; a missing or unknown key is 401.
+Bodies are read in chunks up to the limit, and protobuf bodies are decoded off the event
+loop, so a heavy body never blocks other requests.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from tinker import types as tt
 from furlong.errors import InputError
 from furlong.server import proto
 from furlong.server.futures import Failure
-from furlong.server.service import NotFound, Service
+from furlong.server.ordering import Conflict
+from furlong.server.service import NotFound, Service, fingerprint
 from furlong.server.state import owner_id
 
 log = logging.getLogger("furlong.serve")
@@ -55,6 +59,10 @@ def create_app(
     async def _unauthorized(_r: Request, exc: Unauthorized) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=401)
 
+    @app.exception_handler(Conflict)
+    async def _conflict(_r: Request, exc: Conflict) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=409)
+
     @app.exception_handler(TooLarge)
     async def _too_large(_r: Request, exc: TooLarge) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=413)
@@ -72,18 +80,28 @@ def create_app(
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > max_body_bytes:  # refuse before reading it
             raise TooLarge(f"body: {declared} bytes; the limit is {max_body_bytes}")
-        body = await request.body()
-        if len(body) > max_body_bytes:
-            raise TooLarge(f"body: {len(body)} bytes; the limit is {max_body_bytes}")
-        return body
+        body = bytearray()
+        async for chunk in request.stream():  # a chunked body has no length to check first
+            body += chunk
+            if len(body) > max_body_bytes:
+                raise TooLarge(
+                    f"body: more than {max_body_bytes} bytes; the limit is {max_body_bytes}"
+                )
+        return bytes(body)
 
     async def parse(request: Request, cls: type[T]) -> T:
+        return _validate(cls, await raw(request))
+
+    async def parse_seq_op(request: Request, who: str, cls: type[T]) -> tuple[T, bytes]:
+        """A seq-numbered request and its fingerprint; a body that fails validation still
+        consumes the ``seq_id`` it names."""
+        body = await raw(request)
+        digest = fingerprint(body)
         try:
-            return cls.model_validate_json(await raw(request))
-        except pydantic.ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "body"
-            raise InputError(f"{where}: {first['msg']}") from None
+            return _validate(cls, body), digest
+        except InputError as exc:
+            service.refuse(who, _loose_fields(body), exc, digest)
+            raise
 
     def route(method: str, path: str) -> Callable:
         return app.api_route(PREFIX + path, methods=[method])
@@ -118,6 +136,7 @@ def create_app(
 
     @route("POST", "/telemetry")
     async def telemetry(request: Request) -> dict:
+        owner(request)
         return {"status": "accepted"}
 
     @route("POST", "/sessions/{session_id}/finish")
@@ -153,30 +172,34 @@ def create_app(
         who = owner(request)
         body = await raw(request)
         encoding = request.headers.get("content-encoding")
-        return {"request_id": service.forward_backward(who, body, encoding)}
+        decoded = await run_in_threadpool(
+            service.decode_forward_backward, body, encoding, max_body_bytes
+        )
+        return {"request_id": service.forward_backward(who, decoded, fingerprint(body))}
 
     @route("POST", "/optim_step")
     async def optim_step(request: Request) -> dict:
         who = owner(request)
-        return {"request_id": service.optim_step(who, await parse(request, tt.OptimStepRequest))}
+        req, digest = await parse_seq_op(request, who, tt.OptimStepRequest)
+        return {"request_id": service.optim_step(who, req, digest)}
 
     @route("POST", "/save_weights")
     async def save_weights(request: Request) -> dict:
         who = owner(request)
-        req = await parse(request, tt.SaveWeightsRequest)
-        return {"request_id": service.save_weights(who, req)}
+        req, digest = await parse_seq_op(request, who, tt.SaveWeightsRequest)
+        return {"request_id": service.save_weights(who, req, digest)}
 
     @route("POST", "/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict:
         who = owner(request)
-        req = await parse(request, tt.SaveWeightsForSamplerRequest)
-        return {"request_id": service.save_weights_for_sampler(who, req)}
+        req, digest = await parse_seq_op(request, who, tt.SaveWeightsForSamplerRequest)
+        return {"request_id": service.save_weights_for_sampler(who, req, digest)}
 
     @route("POST", "/load_weights")
     async def load_weights(request: Request) -> dict:
         who = owner(request)
-        req = await parse(request, tt.LoadWeightsRequest)
-        return {"request_id": service.load_weights(who, req)}
+        req, digest = await parse_seq_op(request, who, tt.LoadWeightsRequest)
+        return {"request_id": service.load_weights(who, req, digest)}
 
     # ------------------------------------------------------------ sampling
 
@@ -221,6 +244,7 @@ def create_app(
 
     @route("GET", "/training_runs")
     async def training_runs(request: Request, offset: int = 0, limit: int = 100) -> dict:
+        _check_page(offset, limit)
         runs = service.training_runs(owner(request))
         page = runs[offset : offset + limit]
         return {
@@ -238,6 +262,7 @@ def create_app(
 
     @route("GET", "/checkpoints")
     async def all_checkpoints(request: Request, offset: int = 0, limit: int = 100) -> dict:
+        _check_page(offset, limit)
         who = owner(request)
         runs = [r["training_run_id"] for r in service.training_runs(who)]
         found = [c for run in runs for c in service.checkpoints(who, run)]
@@ -262,3 +287,37 @@ def create_app(
         return service.weights_info(who, path)
 
     return app
+
+
+MAX_PAGE = 1000
+
+
+def _validate(cls: type[T], body: bytes) -> T:
+    try:
+        return cls.model_validate_json(body)
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if not _union_tag(p)) or "body"
+        raise InputError(f"{where}: {first['msg']}") from None
+
+
+def _union_tag(part: object) -> bool:
+    """pydantic names the union member it tried in the error path (``AdamParams``): not a
+    field the client wrote."""
+    return isinstance(part, str) and part[:1].isupper() and part.isidentifier()
+
+
+def _loose_fields(body: bytes) -> dict[str, Any]:
+    """The top-level fields of a JSON object body that failed validation ({} if none)."""
+    try:
+        fields = pydantic.TypeAdapter(dict[str, Any]).validate_json(body)
+    except pydantic.ValidationError:
+        return {}
+    return fields
+
+
+def _check_page(offset: int, limit: int) -> None:
+    if offset < 0:
+        raise InputError(f"offset: must be >= 0, got {offset}")
+    if not 1 <= limit <= MAX_PAGE:
+        raise InputError(f"limit: must be in [1, {MAX_PAGE}], got {limit}")

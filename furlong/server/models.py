@@ -34,6 +34,7 @@ from furlong.server import lora as peft_lora
 from furlong.server.lora import LoraSpec
 from furlong.train.engine import EngineConfig, TrainingEngine
 from furlong.train.group import TrainerGroup
+from furlong.train.turns import around_turns
 from furlong.types import AdamParams, Datum, ForwardResult
 
 __all__ = ["LoraSpec", "ModelPool", "TrainingModel", "sampling_model"]
@@ -113,6 +114,10 @@ class ModelPool:
         training model on this base shares its weights, so it must not be mutated."""
         base = self._loaded(name)
         return base.model, base.tokenizer
+
+    def context_length(self, name: str) -> int | None:
+        """The base's context (``max_position_embeddings``): prompt + samples must fit in it."""
+        return getattr(self._loaded(name).model.config, "max_position_embeddings", None)
 
     def tokenizer_dir(self, name: str) -> Path:
         """A directory ``AutoTokenizer.from_pretrained`` loads offline (no ':' in the path)."""
@@ -289,9 +294,16 @@ class TrainingModel:
         loss_fn_config: Mapping[str, object] | None,
         forward_only: bool,
     ) -> ForwardResult:
-        with self._active():
+        # between microbatches another tenant's unit may run on this base: let go of the base
+        # and take it back with our adapter active again (gradients stay on our parameters)
+        with self._active(), around_turns(self._lock.release, self._resume):
             run = self.engine.forward if forward_only else self.engine.forward_backward
             return run(datums, loss_fn, loss_fn_config)
+
+    def _resume(self) -> None:
+        self._lock.acquire()
+        if self._adapter is not None:
+            self.engine.model.set_adapter(self._adapter)
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         with self._active():

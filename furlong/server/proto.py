@@ -36,12 +36,23 @@ _I32 = np.dtype("<i4")
 _I64 = np.dtype("<i8")
 _F32 = np.dtype("<f4")
 
-# A sparse tensor's shape is not bounded by the body size; cap what densifying may allocate.
-MAX_SPARSE_DENSE_ELEMENTS = 1 << 27
 # zstd expands at most ~32 KiB per input byte, so feeding 1 KiB at a time overshoots
 # max_bytes by at most ~32 MiB before the bomb is caught.
 _ZSTD_STEP = 1 << 10
 _TOPK_PAD = (0, -99999.0)  # the SDK's padding cell for rows with fewer than k entries
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one ``forward_backward`` body may make the server allocate, checked before it does:
+    the inflated body, the datum count and length, and tensor elements once dense (a few KB of
+    sparse CSR can declare a shape of gigabytes)."""
+
+    max_bytes: int | None = None
+    max_datums: int | None = None
+    max_tokens_per_datum: int | None = None
+    max_tensor_elements: int = 1 << 22
+    max_request_elements: int = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -68,9 +79,18 @@ class SampledSeq:
 
 
 def parse_forward_backward(
-    body: bytes, content_encoding: str | None, max_bytes: int | None = None
+    body: bytes, content_encoding: str | None, limits: Limits | None = None
 ) -> FwdBwdRequest:
     """Decode a (possibly zstd-compressed) ``ForwardBackwardRequest`` body."""
+    return convert_forward_backward(decode_forward_backward(body, content_encoding, limits), limits)
+
+
+def decode_forward_backward(
+    body: bytes, content_encoding: str | None, limits: Limits | None = None
+) -> pb.ForwardBackwardRequest:
+    """Inflate (capped at ``limits.max_bytes`` while streaming) and decode the protobuf; the
+    tensors stay as wire bytes."""
+    max_bytes = (limits or Limits()).max_bytes
     encoding = (content_encoding or "identity").strip().lower()
     if encoding == "zstd":
         body = _unzstd(body, max_bytes)
@@ -79,21 +99,77 @@ def parse_forward_backward(
     elif max_bytes is not None and len(body) > max_bytes:
         raise InputError(f"body: {len(body)} bytes exceeds the limit of {max_bytes} bytes")
     try:
-        msg = pb.ForwardBackwardRequest.FromString(body)
+        return pb.ForwardBackwardRequest.FromString(body)
     except DecodeError:
         raise InputError("body: not a ForwardBackwardRequest protobuf") from None
-    if msg.seq_id < 0:
-        raise InputError(f"seq_id: must be >= 0, got {msg.seq_id}")
+
+
+def convert_forward_backward(
+    msg: pb.ForwardBackwardRequest, limits: Limits | None = None
+) -> FwdBwdRequest:
+    """Every datum as furlong types, after checking what densifying them would allocate."""
+    limits = limits or Limits()
     if not msg.data:
         raise InputError("data: at least one datum is required")
+    if msg.seq_id < 1:
+        raise InputError(f"seq_id: expected an integer >= 1, got {msg.seq_id}")
+    _check_sizes(msg, limits)
+    data = [_datum(d, f"data[{i}]") for i, d in enumerate(msg.data)]
+    if msg.loss_fn == "cross_entropy":  # the protocol's default weights are ones
+        data = [_with_unit_weights(d) for d in data]
     return FwdBwdRequest(
         model_id=msg.model_id,
         seq_id=msg.seq_id,
-        data=[_datum(d, f"data[{i}]") for i, d in enumerate(msg.data)],
+        data=data,
         loss_fn=msg.loss_fn,
         loss_fn_config=_loss_fn_config(msg),
         forward_only=msg.forward_only,
     )
+
+
+def _check_sizes(msg: pb.ForwardBackwardRequest, limits: Limits) -> None:
+    if limits.max_datums is not None and len(msg.data) > limits.max_datums:
+        raise InputError(f"data: {len(msg.data)} datums; the limit is {limits.max_datums}")
+    total = 0
+    for i, d in enumerate(msg.data):
+        tokens = sum(_chunk_tokens(c) for c in d.model_input)
+        cap = limits.max_tokens_per_datum
+        if cap is not None and tokens > cap:
+            raise InputError(f"data[{i}].model_input: {tokens} tokens; the limit is {cap}")
+        total += tokens
+        for key, t in d.loss_fn_inputs.items():
+            n = _dense_elements(t)
+            where = f"data[{i}].loss_fn_inputs[{key!r}]"
+            if n > limits.max_tensor_elements:
+                raise InputError(
+                    f"{where}: {n} elements once dense; the limit is {limits.max_tensor_elements}"
+                )
+            total += n
+            if total > limits.max_request_elements:
+                raise InputError(
+                    f"{where}: the request's tensors pass {limits.max_request_elements} elements "
+                    "once dense; send fewer or smaller datums per request"
+                )
+
+
+def _chunk_tokens(chunk: pb.ModelInputChunk) -> int:
+    return len(chunk.encoded_text.tokens) // 4 if chunk.WhichOneof("chunk") == "encoded_text" else 0
+
+
+def _dense_elements(t: pb.Tensor) -> int:
+    """Elements the tensor has once dense, from its declared shape or its byte count."""
+    shape = [max(int(s), 0) for s in t.shape]
+    if t.WhichOneof("encoding") == "sparse_csr" or shape:
+        return math.prod(shape)
+    dtype = _WIRE_DTYPES.get(t.dtype)
+    return len(t.dense) // dtype.itemsize if dtype is not None else 0
+
+
+def _with_unit_weights(d: Datum) -> Datum:
+    if "weights" in d.loss_fn_inputs or "target_tokens" not in d.loss_fn_inputs:
+        return d
+    ones = torch.ones(d.loss_fn_inputs["target_tokens"].shape, dtype=torch.float32)
+    return Datum(model_input=d.model_input, loss_fn_inputs={**d.loss_fn_inputs, "weights": ones})
 
 
 def _unzstd(body: bytes, max_bytes: int | None) -> bytes:
@@ -188,11 +264,7 @@ def _densify(csr: pb.SparseCsr, dtype: np.dtype, shape: list[int], where: str) -
     """CSR → dense; unlisted entries are 0 (the SDK only sparsifies with pad 0)."""
     if len(shape) != 2:
         raise InputError(f"{where}: sparse_csr needs a 2-D shape, got {shape}")
-    rows, cols = shape
-    if rows * cols > MAX_SPARSE_DENSE_ELEMENTS:
-        raise InputError(
-            f"{where}: sparse shape {shape} exceeds {MAX_SPARSE_DENSE_ELEMENTS} dense elements"
-        )
+    rows, cols = shape  # the dense size was checked against the limits before
     values = _array(csr.values, dtype, f"{where}.values")
     crow = _array(csr.crow_indices, _I64, f"{where}.crow_indices")
     col = _array(csr.col_indices, _I64, f"{where}.col_indices")
@@ -326,11 +398,13 @@ def _topk(rows: Sequence[Sequence[tuple[int, float]] | None]) -> pb.TopkLogprobs
 
 
 __all__ = [
-    "MAX_SPARSE_DENSE_ELEMENTS",
     "PROTOBUF",
     "FwdBwdRequest",
+    "Limits",
     "SampledSeq",
     "encode_forward_backward_output",
+    "convert_forward_backward",
+    "decode_forward_backward",
     "encode_sample_response",
     "parse_forward_backward",
 ]

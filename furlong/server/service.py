@@ -2,19 +2,25 @@
 with Tinker's semantics and no HTTP in sight (``app.py`` maps routes onto these methods).
 
 Every training operation is queued on the model's :class:`CommandLog` (strict ``seq_id``
-order) and runs on one compute thread; every loss goes through the model's TrainingEngine.
-Samplers are embedded rollout engines over frozen weight snapshots, so a sampler keeps the
-weights it was made from while training goes on.
+order) and runs on the shared :class:`ComputeLane`, which takes turns between tenants between
+microbatches; every loss goes through the model's TrainingEngine. Samplers are embedded
+rollout engines over frozen weight snapshots (a sampler keeps the weights it was made from
+while training goes on), fed fairly across tenants by a :class:`FairFeeder`.
+
+Hostile input is bounded before it is allocated: inflated body size, datums, tokens and dense
+tensor elements per request (``proto.Limits``), prompt + ``max_tokens`` within the model's
+context, and ``num_samples`` / ``max_tokens`` caps.
 """
 
 from __future__ import annotations
 
-import shutil
+import hashlib
+import math
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,13 +28,16 @@ from typing import Any
 from tinker import types as tt
 
 from furlong.errors import InputError
+from furlong.models.loading import remove_dir
 from furlong.rollout.base import GenerateResult
 from furlong.rollout.engine import EmbeddedEngine
-from furlong.rollout.sampling import SamplingParams
+from furlong.rollout.sampling import MAX_SEED, SamplingParams, fit_max_tokens
 from furlong.server import proto
+from furlong.server.compute_lane import ComputeLane
 from furlong.server.futures import Failure, FutureStore
 from furlong.server.models import LoraSpec, ModelPool, TrainingModel, sampling_model
 from furlong.server.ordering import CommandLog
+from furlong.server.sample_feeder import FairFeeder
 from furlong.server.state import CheckpointRef, StateDir, check_name, iso_time
 from furlong.train.dist_checkpoint import saved_optimizer_kind
 from furlong.train.engine import EngineConfig
@@ -50,8 +59,14 @@ class ServiceConfig:
     seed: int = 0
     max_datums: int = 4096
     max_tokens_per_datum: int = 32_768
+    max_tensor_elements: int = 1 << 22  # one loss_fn_inputs tensor, once dense
+    max_request_elements: int = 1 << 26  # all tensors of one forward_backward, once dense
+    max_samples: int = 1024  # num_samples of one sample request
+    max_sample_tokens: int = 4096  # max_tokens of one sample request (also <= the context)
+    max_top_logprobs: int = 64  # topk_sample_logprobs / topk_prompt_logprobs
     poll_timeout: float = 25.0
     gap_timeout: float = 600.0
+    max_seq_ahead: int = 1 << 14  # a seq_id further ahead of the next one is refused
     sampler_slots: int = 32
     snapshot_engines: int = 4  # sampler snapshots kept loaded for reuse (LRU)
     compress_fwdbwd: bool = False  # ask clients to zstd forward_backward bodies
@@ -74,9 +89,20 @@ class _Model:
 @dataclass
 class _Sampler:
     owner: str
-    engine: EmbeddedEngine
+    feeder: FairFeeder
     base_model: str
     model_path: str | None
+
+
+@dataclass(frozen=True)
+class DecodedFwdBwd:
+    """A decoded ``forward_backward`` body: its model and ``seq_id``, and the request or why it
+    was refused (a refusal still consumes the ``seq_id``)."""
+
+    model_id: str
+    seq_id: int
+    request: proto.FwdBwdRequest | None
+    error: InputError | None
 
 
 class Service:
@@ -87,17 +113,18 @@ class Service:
             config.base_models,
             full_finetune=config.full_finetune,
             seed=config.seed,
-            tokenizer_root=Path(config.state_dir) / "tokenizers",
+            # absolute: clients load the tokenizer from this path, wherever they run
+            tokenizer_root=Path(config.state_dir).resolve() / "tokenizers",
             trainer_ranks=config.trainer_ranks,
             engine_config=_engine_config(config),
         )
         self.futures = FutureStore(poll_timeout=config.poll_timeout)
-        self.compute = ThreadPoolExecutor(1, thread_name_prefix="furlong-train")
+        self.lane = ComputeLane()
         self.sessions: dict[str, str] = {}  # session id -> owner
         self.models: dict[str, _Model] = {}
         self.samplers: dict[str, _Sampler] = {}
-        self._base_samplers: dict[str, EmbeddedEngine] = {}
-        self._snapshots: OrderedDict[Path, EmbeddedEngine] = OrderedDict()
+        self._base_samplers: dict[str, FairFeeder] = {}
+        self._snapshots: OrderedDict[Path, FairFeeder] = OrderedDict()
         self._snapshots_lock = threading.Lock()  # HTTP, compute and threadpool threads share it
 
     # ---------------------------------------------------------------- sessions
@@ -118,9 +145,7 @@ class Service:
         lora = self._lora(req.lora_config)
         self._check_base(req.base_model)
         optimizer = _optimizer_kind(req.optimizer_config)
-        model_id = f"{req.session_id}:train:{req.model_seq_id}"
-        if model_id in self.models:
-            raise InputError(f"model_seq_id: {req.model_seq_id} already used in this session")
+        model_id = self._new_model_id(req.session_id, req.model_seq_id)
         entry = self._register(owner, model_id, req.base_model, lora, req.user_metadata)
 
         def create() -> dict:
@@ -129,6 +154,14 @@ class Service:
             return {"model_id": model_id, "type": "create_model"}
 
         return entry.log.submit(0, create)
+
+    def _new_model_id(self, session_id: str, model_seq_id: int) -> str:
+        if model_seq_id < 0:
+            raise InputError(f"model_seq_id: must be >= 0, got {model_seq_id}")
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if model_id in self.models:
+            raise InputError(f"model_seq_id: {model_seq_id} already used in this session")
+        return model_id
 
     def _lora(self, config: tt.LoraConfig | None) -> LoraSpec | None:
         if config is None:
@@ -150,7 +183,14 @@ class Service:
             raise InputError(f"base_model: {name!r} is not served; served: {self.pool.names()}")
 
     def _register(self, owner, model_id, base_model, lora, user_metadata) -> _Model:
-        log = CommandLog(self.futures, self.compute, owner, 0, self.config.gap_timeout)
+        log = CommandLog(
+            self.futures,
+            self.lane.executor(owner),
+            owner,
+            first_seq=0,
+            gap_timeout=self.config.gap_timeout,
+            max_ahead=self.config.max_seq_ahead,
+        )
         entry = _Model(owner, log, base_model, lora, user_metadata)
         self.models[model_id] = entry
         return entry
@@ -190,7 +230,7 @@ class Service:
             "model_data": {
                 "arch": "furlong",
                 "model_name": entry.base_model,
-                "tokenizer_id": str(self.pool.tokenizer_dir(entry.base_model)),
+                "tokenizer_id": str(self.pool.tokenizer_dir(entry.base_model).resolve()),
             },
             "is_lora": lora is not None,
             "lora_rank": None if lora is None else lora.rank,
@@ -199,86 +239,156 @@ class Service:
 
     # ---------------------------------------------------------------- training ops
 
-    def forward_backward(self, owner: str, body: bytes, encoding: str | None) -> str:
-        req = proto.parse_forward_backward(body, encoding)
-        entry = self._model(owner, req.model_id)
-        if len(req.data) > self.config.max_datums:
-            raise InputError(f"data: {len(req.data)} datums; the limit is {self.config.max_datums}")
-        for i, d in enumerate(req.data):
-            if len(d) > self.config.max_tokens_per_datum:
-                raise InputError(
-                    f"data[{i}].model_input: {len(d)} tokens; the limit is "
-                    f"{self.config.max_tokens_per_datum}"
-                )
+    def _submit(
+        self,
+        owner: str,
+        model_id: str,
+        seq_id: int | None,
+        fingerprint: bytes,
+        prepare: Callable[[_Model], Callable[[], Any]],
+    ) -> str:
+        """Queue the operation ``prepare`` validates and returns; a refusal still consumes the
+        model's ``seq_id`` (recorded as failed), so its next operation never waits for it."""
+        entry = self._model(owner, model_id)
+        seq = _seq(seq_id)
+        known = entry.log.replay(seq, fingerprint)
+        if known is not None:
+            return known
+        try:
+            op = prepare(entry)
+        except (InputError, NotFound) as exc:
+            entry.log.refuse(seq, exc, fingerprint)
+            raise
+        return entry.log.submit(seq, op, fingerprint)
 
-        def run() -> bytes:
-            model = self._ready(entry)
-            result = model.forward_backward(
-                req.data, req.loss_fn, req.loss_fn_config, req.forward_only
+    def refuse(self, owner: str, fields: dict[str, Any], error: Exception, fingerprint: bytes):
+        """A seq-numbered request whose body failed validation: consume its ``seq_id`` when the
+        body still names one of this owner's models and a usable ``seq_id``."""
+        model_id, seq_id = fields.get("model_id"), fields.get("seq_id")
+        entry = self.models.get(model_id) if isinstance(model_id, str) else None
+        if entry is None or entry.owner != owner:
+            return
+        if isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id >= 1:
+            entry.log.refuse(seq_id, error, fingerprint)
+
+    def limits(self, max_bytes: int | None) -> proto.Limits:
+        c = self.config
+        return proto.Limits(
+            max_bytes=max_bytes,
+            max_datums=c.max_datums,
+            max_tokens_per_datum=c.max_tokens_per_datum,
+            max_tensor_elements=c.max_tensor_elements,
+            max_request_elements=c.max_request_elements,
+        )
+
+    def decode_forward_backward(
+        self, body: bytes, encoding: str | None, max_bytes: int | None = None
+    ) -> DecodedFwdBwd:
+        """Inflate, decode and convert a body within the limits (CPU work: call it off the
+        event loop). Body-level errors raise; a datum-level error is kept for ``forward_backward``
+        so the refusal can consume the request's ``seq_id``."""
+        if (encoding or "").strip().lower() == "zstd" and not self.config.compress_fwdbwd:
+            raise InputError(
+                "Content-Encoding: zstd bodies are off on this server (start it with "
+                "--compress-fwdbwd)"
             )
-            return proto.encode_forward_backward_output(result)
+        limits = self.limits(max_bytes)
+        msg = proto.decode_forward_backward(body, encoding, limits)
+        try:
+            request = proto.convert_forward_backward(msg, limits)
+        except InputError as exc:
+            return DecodedFwdBwd(msg.model_id, msg.seq_id, None, exc)
+        return DecodedFwdBwd(msg.model_id, msg.seq_id, request, None)
 
-        return entry.log.submit(req.seq_id, run)
+    def forward_backward(self, owner: str, decoded: DecodedFwdBwd, fingerprint: bytes) -> str:
+        def prepare(entry: _Model) -> Callable[[], bytes]:
+            if decoded.error is not None:
+                raise decoded.error
+            req = decoded.request
+            assert req is not None
 
-    def optim_step(self, owner: str, req: tt.OptimStepRequest) -> str:
-        entry = self._model(owner, req.model_id)
-        params = req.optim_params
+            def run() -> bytes:
+                model = self._ready(entry)
+                result = model.forward_backward(
+                    req.data, req.loss_fn, req.loss_fn_config, req.forward_only
+                )
+                return proto.encode_forward_backward_output(result)
 
-        def run() -> dict:
-            # rejected in its turn: a refusal at submission would leave a seq_id gap that
-            # stalls every later operation of the model until gap_timeout
+            return run
+
+        return self._submit(owner, decoded.model_id, decoded.seq_id, fingerprint, prepare)
+
+    def optim_step(self, owner: str, req: tt.OptimStepRequest, fingerprint: bytes = b"") -> str:
+        def prepare(entry: _Model) -> Callable[[], dict]:
+            params = req.optim_params
             if not isinstance(params, tt.AdamParams):  # Muon models take AdamParams too
                 raise InputError(
                     f"optimizer_params.type: {params.type!r} is not supported; send "
                     "adam_params (AdamW and Muon models both take them)"
                 )
             adam = AdamParams(**params.model_dump(exclude={"type"}))
-            return {"metrics": self._ready(entry).optim_step(adam), "type": "optim_step"}
 
-        return entry.log.submit(_seq(req.seq_id), run)
+            def run() -> dict:
+                metrics = self._ready(entry).optim_step(adam)
+                # JSON has no NaN: a vetoed step's norm is left out (skipped_nonfinite:sum says
+                # why), so the SDK's response model still validates
+                return {"metrics": _finite(metrics), "type": "optim_step"}
 
-    def save_weights(self, owner: str, req: tt.SaveWeightsRequest) -> str:
-        entry = self._model(owner, req.model_id)
-        ref = CheckpointRef(req.model_id, "weights", check_name(req.path or _stamp(), "path"))
+            return run
 
-        def run() -> dict:
-            self._ready(entry).save_state(self.state.checkpoint_dir(ref))
-            return {"path": ref.uri, "type": "save_weights"}
+        return self._submit(owner, req.model_id, req.seq_id, fingerprint, prepare)
 
-        return entry.log.submit(_seq(req.seq_id), run)
+    def save_weights(self, owner: str, req: tt.SaveWeightsRequest, fingerprint: bytes = b"") -> str:
+        def prepare(entry: _Model) -> Callable[[], dict]:
+            name = check_name(_name_or_stamp(req.path), "path")
+            ref = CheckpointRef(req.model_id, "weights", name)
 
-    def save_weights_for_sampler(self, owner: str, req: tt.SaveWeightsForSamplerRequest) -> str:
-        entry = self._model(owner, req.model_id)
+            def run() -> dict:
+                self._ready(entry).save_state(self.state.checkpoint_dir(ref))
+                return {"path": ref.uri, "type": "save_weights"}
+
+            return run
+
+        return self._submit(owner, req.model_id, req.seq_id, fingerprint, prepare)
+
+    def save_weights_for_sampler(
+        self, owner: str, req: tt.SaveWeightsForSamplerRequest, fingerprint: bytes = b""
+    ) -> str:
         session = req.sampling_session_seq_id
-        name = check_name(req.path, "path") if req.path else f"sampler-{_stamp()}"
-        if req.path is None and session is None:
-            raise InputError("path: give a name or a sampling_session_seq_id")
-        ref = CheckpointRef(req.model_id, "sampler_weights", name)
 
-        def run() -> dict:
-            path = self.state.checkpoint_dir(ref)
-            self._ready(entry).save_sampler_weights(path)
-            self._forget_snapshot(path)
-            if session is None:
-                return {"path": ref.uri, "type": "save_weights_for_sampler"}
-            sampler_id = self._new_sampler(owner, entry.base_model, ref.uri)
-            return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+        def prepare(entry: _Model) -> Callable[[], dict]:
+            if req.path is None and session is None:
+                raise InputError("path: give a name or a sampling_session_seq_id")
+            name = check_name(_name_or_stamp(req.path, "sampler-"), "path")
+            ref = CheckpointRef(req.model_id, "sampler_weights", name)
 
-        return entry.log.submit(_seq(req.seq_id), run)
+            def run() -> dict:
+                path = self.state.checkpoint_dir(ref)
+                self._ready(entry).save_sampler_weights(path)
+                self._forget_snapshot(path)
+                if session is None:
+                    return {"path": ref.uri, "type": "save_weights_for_sampler"}
+                sampler_id = self._new_sampler(owner, entry.base_model, ref.uri)
+                return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
-    def load_weights(self, owner: str, req: tt.LoadWeightsRequest) -> str:
-        ref = CheckpointRef.parse(req.path)
-        if ref.segment != "weights":
-            raise InputError(f"path: {req.path!r} is a sampler snapshot; load a weights/ path")
-        source = self._checkpoint(owner, ref)
+            return run
+
+        return self._submit(owner, req.model_id, req.seq_id, fingerprint, prepare)
+
+    def load_weights(self, owner: str, req: tt.LoadWeightsRequest, fingerprint: bytes = b"") -> str:
         if req.session_id is None:  # mode A: into an existing model, in seq order
-            entry = self._model(owner, req.model_id or "")
 
-            def load() -> dict:
-                self._ready(entry).load_state(source, optimizer=req.optimizer)
-                return {"path": ref.uri, "type": "load_weights"}
+            def prepare(entry: _Model) -> Callable[[], dict]:
+                ref, source = self._loadable(owner, req.path)
 
-            return entry.log.submit(_seq(req.seq_id), load)
+                def load() -> dict:
+                    self._ready(entry).load_state(source, optimizer=req.optimizer)
+                    return {"path": ref.uri, "type": "load_weights"}
+
+                return load
+
+            return self._submit(owner, req.model_id or "", req.seq_id, fingerprint, prepare)
+        ref, source = self._loadable(owner, req.path)
         # mode B: create-via-load; the load is the new model's operation 0
         self._session(owner, req.session_id)
         meta = self.state.read_run(ref.run_id) or {}
@@ -292,9 +402,7 @@ class Service:
             if req.optimizer
             else _optimizer_kind(req.optimizer_config)
         )
-        model_id = f"{req.session_id}:train:{req.model_seq_id}"
-        if model_id in self.models:
-            raise InputError(f"model_seq_id: {req.model_seq_id} already used in this session")
+        model_id = self._new_model_id(req.session_id, req.model_seq_id)
         entry = self._register(owner, model_id, base, lora, req.user_metadata)
 
         def create_and_load() -> dict:
@@ -309,6 +417,12 @@ class Service:
             return {"model_id": model_id, "path": ref.uri, "type": "load_weights"}
 
         return entry.log.submit(0, create_and_load)
+
+    def _loadable(self, owner: str, path: str) -> tuple[CheckpointRef, Path]:
+        ref = CheckpointRef.parse(path)
+        if ref.segment != "weights":
+            raise InputError(f"path: {path!r} is a sampler snapshot; load a weights/ path")
+        return ref, self._checkpoint(owner, ref)
 
     def _checkpoint(self, owner: str, ref: CheckpointRef) -> Path:
         meta = self.state.read_run(ref.run_id)
@@ -336,30 +450,33 @@ class Service:
         return self._new_sampler(owner, req.base_model, None)
 
     def _new_sampler(self, owner: str, base_model: str, model_path: str | None) -> str:
-        engine = self._engine(owner, base_model, model_path)
+        feeder = self._feeder(owner, base_model, model_path)
         sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
-        self.samplers[sampler_id] = _Sampler(owner, engine, base_model, model_path)
+        self.samplers[sampler_id] = _Sampler(owner, feeder, base_model, model_path)
         return sampler_id
 
-    def _engine(self, owner: str, base_model: str, model_path: str | None) -> EmbeddedEngine:
-        """A rollout engine over a base model (one per base, shared) or a sampler snapshot."""
+    def _feeder(self, owner: str, base_model: str, model_path: str | None) -> FairFeeder:
+        """The fair feeder of a rollout engine over a base model (one per base, shared by every
+        tenant) or over a sampler snapshot."""
         if model_path is None:
-            engine = self._base_samplers.get(base_model)
-            if engine is None:
+            feeder = self._base_samplers.get(base_model)
+            if feeder is None:
                 model, tokenizer = self.pool.base(base_model)
-                engine = EmbeddedEngine(model, tokenizer, max_running=self.config.sampler_slots)
-                self._base_samplers[base_model] = engine
-            return engine
+                feeder = self._new_feeder(model, tokenizer)
+                self._base_samplers[base_model] = feeder
+            return feeder
         path = self._checkpoint(owner, CheckpointRef.parse(model_path))
         with self._snapshots_lock:
-            engine = self._snapshots.pop(path, None)
-            if engine is None:  # a snapshot changes only when re-saved, which evicts it
-                model, tokenizer = sampling_model(self.pool, path)
-                engine = EmbeddedEngine(model, tokenizer, max_running=self.config.sampler_slots)
-            self._snapshots[path] = engine
+            feeder = self._snapshots.pop(path, None)
+            if feeder is None:  # a snapshot changes only when re-saved, which evicts it
+                feeder = self._new_feeder(*sampling_model(self.pool, path))
+            self._snapshots[path] = feeder
             while len(self._snapshots) > self.config.snapshot_engines:
                 self._snapshots.popitem(last=False)  # live samplers keep their own reference
-            return engine
+            return feeder
+
+    def _new_feeder(self, model: Any, tokenizer: Any) -> FairFeeder:
+        return FairFeeder(EmbeddedEngine(model, tokenizer, max_running=self.config.sampler_slots))
 
     def _forget_snapshot(self, path: Path) -> None:
         with self._snapshots_lock:
@@ -378,22 +495,29 @@ class Service:
     def sample(self, owner: str, req: tt.SampleRequest) -> tuple[str, list[str]]:
         """Queue ``num_samples`` sequences; returns the request id and the sequence ids."""
         if req.sampling_session_id:
-            engine = self._sampler(owner, req.sampling_session_id).engine
+            feeder = self._sampler(owner, req.sampling_session_id).feeder
         else:  # legacy addressing: no sampling session is registered
             if not req.model_path:
                 self._check_base(req.base_model or "")
-            engine = self._engine(owner, req.base_model or "", req.model_path)
+            feeder = self._feeder(owner, req.base_model or "", req.model_path)
         for name in ("prompt_alt_tokens_k", "target_prompt_logprobs", "record_stability_info"):
             if getattr(req, name, None):
                 raise InputError(f"{name}: not supported by furlong")
-        if req.num_samples < 1:
-            raise InputError(f"num_samples: must be >= 1, got {req.num_samples}")
-        if req.topk_prompt_logprobs < 0:
-            raise InputError(f"topk_prompt_logprobs: must be >= 0, got {req.topk_prompt_logprobs}")
+        if not 1 <= req.num_samples <= self.config.max_samples:
+            raise InputError(
+                f"num_samples: must be in [1, {self.config.max_samples}], got {req.num_samples}"
+            )
+        top = self.config.max_top_logprobs
+        for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+            k = getattr(req, name)
+            if not 0 <= k <= top:  # each is k entries per token of every sequence returned
+                raise InputError(f"{name}: must be in [0, {top}], got {k}")
+        if (top_k := req.sampling_params.top_k) < -1:
+            raise InputError(f"sampling_params.top_k: -1 or 0 (no limit) or >= 1, got {top_k}")
         prompt = _tokens(req.prompt, "prompt")
         scored_from = _prompt_scored_from(req, len(prompt))
-        params = self._sampling_params(req, len(prompt), engine)
-        futures = engine.submit_many([prompt] * req.num_samples, params)
+        params = self._sampling_params(req, len(prompt), feeder.engine)
+        futures = feeder.submit(owner, [prompt] * req.num_samples, params)  # checked whole
         request_id = self.futures.create(owner)
 
         def done(_f: Any) -> None:
@@ -408,14 +532,29 @@ class Service:
         self, req: tt.SampleRequest, prompt_len: int, engine: EmbeddedEngine
     ) -> list[SamplingParams]:
         sp = req.sampling_params
-        context = int(getattr(engine.model.config, "max_position_embeddings", 4096))
-        max_tokens = sp.max_tokens if sp.max_tokens is not None else context - prompt_len
+        max_tokens = fit_max_tokens(
+            sp.max_tokens,
+            prompt_len,
+            engine.context_length,
+            self.config.max_sample_tokens,
+            "sampling_params.max_tokens",
+        )
+        if sp.seed is not None and not 0 <= sp.seed <= MAX_SEED - (req.num_samples - 1):
+            raise InputError(  # sample i draws with seed + i
+                f"sampling_params.seed: must be in [0, 2**64 - num_samples], got {sp.seed}"
+            )
         stop_ids: tuple[int, ...] | None = None
         stop_strings: tuple[str, ...] = ()
         if sp.stop is not None:
             stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
             if all(isinstance(s, int) for s in stops):
                 stop_ids = tuple(stops)  # [] -> never stop, not even at EOS
+                for j, t in enumerate(stop_ids):  # an id outside could never end a sequence
+                    if not 0 <= t < engine.vocab_size:
+                        raise InputError(
+                            f"sampling_params.stop[{j}]: token id {t} outside "
+                            f"[0, {engine.vocab_size})"
+                        )
             elif all(isinstance(s, str) for s in stops):
                 stop_strings = tuple(stops)
             else:
@@ -430,7 +569,7 @@ class Service:
             top_logprobs=req.topk_sample_logprobs,
         )
         return [
-            SamplingParams(
+            SamplingParams(  # checks and names the remaining fields
                 **base,
                 seed=None if sp.seed is None else sp.seed + i,
                 prompt_logprobs=bool(req.prompt_logprobs) and i == 0,
@@ -479,7 +618,7 @@ class Service:
         ref = CheckpointRef.parse(f"tinker://{run_id}/{segment}/{name}")
         path = self._checkpoint(owner, ref)
         self._forget_snapshot(path)
-        shutil.rmtree(path)
+        remove_dir(path)
 
     def weights_info(self, owner: str, tinker_path: str) -> dict:
         ref = CheckpointRef.parse(tinker_path, "tinker_path")
@@ -498,7 +637,12 @@ class Service:
     def capabilities(self) -> dict:
         return {
             "supported_models": [
-                {"model_name": name, "trainable": True, "sampleable": True}
+                {
+                    "model_name": name,
+                    "max_context_length": self.pool.context_length(name),
+                    "trainable": True,
+                    "sampleable": True,
+                }
                 for name in self.pool.names()
             ]
         }
@@ -530,9 +674,18 @@ def _optimizer_kind(config: Any) -> str:
 
 
 def _seq(seq_id: int | None) -> int:
-    if seq_id is None or seq_id < 1:
+    if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
         raise InputError(f"seq_id: expected an integer >= 1, got {seq_id!r}")
     return seq_id
+
+
+def fingerprint(body: bytes) -> bytes:
+    """What a retry must repeat: the body's digest (a different body is a conflict)."""
+    return hashlib.sha256(body).digest()
+
+
+def _finite(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if math.isfinite(v)}
 
 
 def _tokens(model_input: tt.ModelInput, field_name: str) -> list[int]:
@@ -584,6 +737,11 @@ def _sample_result(futures: list, scored_from: int) -> Any:
     if prompt_top is not None:
         prompt_top = [None] * scored_from + prompt_top[scored_from:]
     return proto.encode_sample_response(sequences, prompt_lp, prompt_top)
+
+
+def _name_or_stamp(name: str | None, prefix: str = "") -> str:
+    """The client's name (an empty one is refused by ``check_name``) or a fresh stamp."""
+    return f"{prefix}{_stamp()}" if name is None else name
 
 
 def _stamp() -> str:

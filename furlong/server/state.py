@@ -5,6 +5,7 @@ Layout (``<run>`` is the model id ``<session_id>:train:<n>``)::
     runs/<run>/run.json                     base model, LoRA config, owner, user metadata
     runs/<run>/weights/<name>/              training state: weights + optimizer (atomic dir)
     runs/<run>/sampler_weights/<name>/      sampler snapshot (atomic dir)
+    tokenizers/<base>/                      the served bases' tokenizers (atomic dir)
 
 ``tinker://<run>/<weights|sampler_weights>/<name>`` names a checkpoint. Names are checked so a
 path can never leave the state directory.
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from furlong.errors import InputError
+from furlong.models.loading import recover_published
 
 SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
@@ -67,6 +69,9 @@ class StateDir:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
         (self.root / "runs").mkdir(parents=True, exist_ok=True)
+        # Before any request: a checkpoint whose overwrite a crash cut short is back, and the
+        # temp dirs of interrupted writes are gone. Assumes one service per state dir.
+        self.recovered = recover_published(self.root)
 
     def run_dir(self, run_id: str) -> Path:
         return self.root / "runs" / check_name(run_id, "model_id")

@@ -40,6 +40,7 @@ from furlong.train.optim import OptimizerConfig, build_optimizer, optimizer_step
 from furlong.train.prefix_sharing import plan_prefixes, shared_prefix_hidden
 from furlong.train.replay import concat_supports, row_supports
 from furlong.train.routing_replay import check_routing, forced_rows, replay_routing
+from furlong.train.turns import turn_point
 from furlong.train.validation import validate_batch
 from furlong.types import AdamParams, Datum, ForwardResult
 
@@ -209,7 +210,9 @@ class TrainingEngine:
         )
         loss_sum, results = 0.0, []
         plan = plan_microbatches([len(d) for d in datums], self.config.max_tokens_per_microbatch)
-        for group in plan:
+        for k, group in enumerate(plan):
+            if k:
+                turn_point()  # a shared server may run another tenant's unit here
             total, outs = self.run_group(call, group)
             loss_sum += total
             results += outs

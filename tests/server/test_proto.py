@@ -18,6 +18,7 @@ from tinker.proto.response_conv import (
 
 from furlong.errors import InputError
 from furlong.server.proto import (
+    Limits,
     SampledSeq,
     encode_forward_backward_output,
     encode_sample_response,
@@ -48,7 +49,7 @@ def sdk_body(data, compress=False, **kwargs) -> bytes:
 
 
 def parse(body: bytes, compress: bool = False, **kwargs):
-    return parse_forward_backward(body, "zstd" if compress else None, **kwargs)
+    return parse_forward_backward(body, "zstd" if compress else None, Limits(**kwargs))
 
 
 def ce_datum(tokens: list[int]) -> tt.Datum:
@@ -188,7 +189,7 @@ def test_multi_frame_zstd_body() -> None:
 
 def bad(body: bytes, match: str, encoding: str | None = None, **kwargs) -> None:
     with pytest.raises(InputError, match=match):
-        parse_forward_backward(body, encoding, **kwargs)
+        parse_forward_backward(body, encoding, Limits(**kwargs))
 
 
 def test_garbage_body() -> None:
@@ -257,7 +258,12 @@ def sparse_message() -> pb.ForwardBackwardRequest:
         ([0, 2, 2, 2, 2], [3, 3], None, r"\.col_indices: must be strictly increasing"),
         (None, None, [20], r": sparse_csr needs a 2-D shape"),
         (None, None, [], r": sparse_csr needs a 2-D shape"),
-        (None, None, [1 << 20, 1 << 20], r": sparse shape .* exceeds"),
+        (
+            None,
+            None,
+            [1 << 20, 1 << 20],
+            r": 1099511627776 elements once dense; the limit is 4194304",
+        ),
     ],
 )
 def test_bad_sparse_tensor(crow, col, shape, match) -> None:
@@ -308,7 +314,9 @@ def test_size_limit_and_truncation() -> None:
 def test_negative_seq_id() -> None:
     msg = sdk_message([ce_datum([1])])
     msg.seq_id = -1
-    bad(msg.SerializeToString(), r"^seq_id: must be >= 0")
+    bad(msg.SerializeToString(), r"^seq_id: expected an integer >= 1, got -1")
+    msg.seq_id = 0  # seq 0 is the model's creation: never a forward_backward
+    bad(msg.SerializeToString(), r"^seq_id: expected an integer >= 1, got 0")
 
 
 # ---------------------------------------------------------------- forward_backward output

@@ -169,29 +169,33 @@ def test_size_limits_are_413_and_400_and_change_nothing(tmp_path) -> None:
         )
         r = wire.fwdbwd(model, 2, [big])
         assert r.status_code == 400 and "data[0].model_input: 29 tokens" in r.json()["detail"]
-        r = wire.fwdbwd(model, 2, data(5, n=3))
+        r = wire.fwdbwd(model, 3, data(5, n=3))
         assert r.status_code == 400 and "data: 3 datums; the limit is 2" in r.json()["detail"]
-        huge = wire.fwdbwd_body(model, 2, small) + b"\0" * 5000
+        huge = wire.fwdbwd_body(model, 4, small) + b"\0" * 5000
         r = wire.http.post("/forward_backward", content=huge, headers={"Content-Type": PROTOBUF})
-        assert r.status_code == 413 and "limit is 4096" in r.json()["detail"]
-        # nothing was queued or applied: seq 2 is still free and the model is unchanged
-        wire.result(wire.optim(model, 2, lr=1.0).json())
-        again = losses(wire.result(wire.fwdbwd(model, 3, small, forward_only=True).json()))
+        assert r.status_code == 413 and "the limit is 4096" in r.json()["detail"]
+        # a refusal consumed its seq_id: resent, it is refused again; another body is a conflict
+        r = wire.fwdbwd(model, 2, [big])
+        assert r.status_code == 400 and "29 tokens" in r.json()["detail"]
+        assert wire.fwdbwd(model, 2, small).status_code == 409
+        # nothing was applied, and the model's next operation runs at once (no seq_id gap)
+        wire.result(wire.optim(model, 4, lr=1.0).json())
+        again = losses(wire.result(wire.fwdbwd(model, 5, small, forward_only=True).json()))
         assert again == pytest.approx(want, abs=1e-6)
 
 
 def test_zstd_bodies_from_the_sdk(tmp_path) -> None:
     service, server = serve(tmp_path, compress_fwdbwd=True)
     seen: list[str | None] = []
-    original = service.forward_backward
+    original = service.decode_forward_backward
 
-    def recording(owner, body, encoding):
+    def recording(body, encoding, max_bytes):
         seen.append(encoding)
         if encoding == "zstd":  # really compressed: it decompresses to a valid request
             zstandard.ZstdDecompressor().decompressobj().decompress(body)
-        return original(owner, body, encoding)
+        return original(body, encoding, max_bytes)
 
-    service.forward_backward = recording
+    service.decode_forward_backward = recording
     with server as url:
         client = tinker.ServiceClient(base_url=url, api_key="tml-zstd")
         training = client.create_lora_training_client(BASE, rank=4).result()

@@ -12,17 +12,23 @@
 
 Errors use OpenAI's shape ``{"error": {"message", "type"}}``: 400 malformed requests (the
 message names the field), 404 unknown sessions, 422 routed-expert assembly failures (naming
-the record), 429 too many sessions, 503 a turn aborted by a weight update (retry it).
+the record), 413 a body over the limit, 429 too many sessions, 503 a turn aborted by a
+weight update (retry it).
 """
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from furlong.errors import InputError
 from furlong.rollout.sessions.r3 import AssemblyError
@@ -34,6 +40,10 @@ from furlong.rollout.sessions.service import (
 )
 from furlong.rollout.sessions.wire import sample_to_json
 from furlong.serving import read_json_object
+
+# Bodies past this are refused (413) as they arrive; a conversation that fills a 128k-token
+# context is a few MB of JSON.
+MAX_BODY_BYTES = 16 << 20
 
 _ERRORS: dict[type[Exception], tuple[int, str]] = {
     AssemblyError: (422, "assembly_error"),
@@ -50,8 +60,8 @@ def _error(status: int, kind: str, message: str) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def create_app(server: SessionServer) -> FastAPI:
-    app = FastAPI(title="furlong session server")
+def create_app(server: SessionServer, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="furlong session server", max_body_size=max_body_bytes)
     app.state.sessions = server
 
     for exc_type, (status, kind) in _ERRORS.items():
@@ -60,6 +70,13 @@ def create_app(server: SessionServer) -> FastAPI:
             return _error(s, k, str(exc.args[0]) if exc.args else type(exc).__name__)
 
         app.add_exception_handler(exc_type, handler)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 413:
+            message = f"body: over the server's limit of {max_body_bytes} bytes"
+            return _error(413, "invalid_request_error", message)
+        return _error(exc.status_code, "invalid_request_error", str(exc.detail))
 
     @app.exception_handler(RequestValidationError)
     async def _bad_schema(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -113,13 +130,26 @@ def create_app(server: SessionServer) -> FastAPI:
         """For a trainer in another process; in process, call ``server.publish_weights``."""
         body = await read_json_object(request, required=False, allowed=("path", "version"))
         path, version = body.get("path"), body.get("version")
-        if not isinstance(path, str) or not Path(path).exists():
-            raise InputError(
-                f"path: expected an existing safetensors file or directory, got {path!r}"
-            )
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
             raise InputError(f"version: expected an integer or null, got {version!r}")
-        new = await asyncio.to_thread(server.publish_weights, path, version)
+        weights = await asyncio.to_thread(load_weights, path)
+        new = await asyncio.to_thread(server.publish_weights, weights, version)
         return {"weight_version": new}
 
     return app
+
+
+def load_weights(path: Any) -> dict[str, torch.Tensor]:
+    """The tensors at ``path`` (a safetensors file or a directory of them), read before the
+    engine is paused: a bad path is an :class:`InputError` naming ``path`` and changes
+    nothing (no turn is aborted, the weight version stays)."""
+    if not isinstance(path, str) or not path:
+        raise InputError(f"path: expected a safetensors file or directory, got {path!r}")
+    where = Path(path)
+    files = sorted(where.glob("*.safetensors")) if where.is_dir() else [where]
+    if not files or not all(f.is_file() for f in files):
+        raise InputError(f"path: no safetensors file at {path!r}")
+    try:
+        return {k: v for f in files for k, v in load_file(str(f)).items()}
+    except (OSError, SafetensorError) as exc:  # unreadable, or not safetensors
+        raise InputError(f"path: cannot load {path!r} ({exc})") from None

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from furlong.errors import InputError
+from furlong.rollout.sampling import check_seed
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -60,7 +61,7 @@ class ChatRequest:
     messages: tuple[Message, ...]
     tools: tuple[dict[str, Any], ...]  # {"type": "function", "function": {...}}
     parse_tool_calls: bool  # tool_choice != "none"
-    max_tokens: int
+    max_tokens: int | None  # None: as many as the context leaves (up to the server's limit)
     temperature: float
     top_p: float
     seed: int | None
@@ -72,7 +73,7 @@ class ChatRequest:
 def _canonical(arguments: str) -> str:
     try:
         return json.dumps(json.loads(arguments), sort_keys=True)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments
 
 
@@ -108,8 +109,8 @@ def _tool_call(value: Any, where: str) -> ToolCall:
         raise InputError(f"{where}.function.arguments: expected a JSON string")
     try:
         json.loads(arguments)
-    except ValueError as exc:
-        raise InputError(f"{where}.function.arguments: not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
+        raise InputError(f"{where}.function.arguments: not valid JSON ({exc!r})") from None
     return ToolCall(str(value.get("id", "")), fn["name"], arguments)
 
 
@@ -160,6 +161,13 @@ def _integer(body: dict, name: str) -> int | None:
     return value
 
 
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InputError(f"{name}: expected a bool, got {value!r}")
+    return bool(value)
+
+
 def _top_p(body: dict) -> float:
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:
@@ -180,7 +188,7 @@ def parse_chat_request(body: dict[str, Any], max_tokens_limit: int) -> ChatReque
         raise InputError(f"tool_choice: only 'auto' and 'none' are supported, got {choice!r}")
     if _integer(body, "n") not in (None, 1):
         raise InputError(f"n: only 1 completion per request is supported, got {body['n']}")
-    if body.get("stream"):
+    if _flag(body, "stream"):
         raise InputError("stream: streaming is not supported")
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
@@ -190,8 +198,7 @@ def parse_chat_request(body: dict[str, Any], max_tokens_limit: int) -> ChatReque
     max_tokens = _integer(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens")
-    max_tokens = max_tokens_limit if max_tokens is None else max_tokens
-    if not 1 <= max_tokens <= max_tokens_limit:
+    if max_tokens is not None and not 1 <= max_tokens <= max_tokens_limit:
         raise InputError(f"max_tokens: must be in [1, {max_tokens_limit}], got {max_tokens}")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
@@ -207,9 +214,9 @@ def parse_chat_request(body: dict[str, Any], max_tokens_limit: int) -> ChatReque
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_top_p(body),
-        seed=_integer(body, "seed"),
+        seed=None if body.get("seed") is None else check_seed(body["seed"]),
         stop=tuple(stop),
-        logprobs=bool(body.get("logprobs")),
+        logprobs=_flag(body, "logprobs"),
         top_logprobs=top_logprobs,
     )
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from furlong.errors import InputError
@@ -32,6 +33,39 @@ _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 # the sampled ids of an assistant message the session returned, or None
 AssistantTokens = Callable[[Message], list[int] | None]
+
+
+@dataclass(frozen=True)
+class PromptBudget:
+    """A turn's prompt must leave room in the model's context for at least one new token.
+    No token covers more than ``chars_per_token`` characters (the longest vocabulary entry:
+    byte-level entries are one character per byte), so longer text is refused before it is
+    tokenized, and a prompt is refused before the engine allocates for it."""
+
+    context: int  # the model's max_position_embeddings
+    chars_per_token: int
+
+    @classmethod
+    def of(cls, tokenizer: Any, context: int) -> PromptBudget:
+        return cls(context, max(map(len, tokenizer.get_vocab())))
+
+    @property
+    def tokens(self) -> int:
+        return self.context - 1
+
+    def check_text(self, used: int, text: str, field: str) -> None:
+        if len(text) > (self.tokens - used) * self.chars_per_token:
+            raise InputError(
+                f"{field}: {len(text)} characters cannot fit the model's context of "
+                f"{self.context} tokens ({used} already used by the prompt)"
+            )
+
+    def check_tokens(self, used: int, field: str) -> None:
+        if used > self.tokens:
+            raise InputError(
+                f"{field}: the prompt reaches {used} tokens here; the model's context of "
+                f"{self.context} tokens must also hold max_tokens (at least 1)"
+            )
 
 
 def check_chatml(tokenizer: Any) -> None:
@@ -76,23 +110,43 @@ def render_prompt(
     messages: Sequence[Message],
     tools: Sequence[dict[str, Any]],
     assistant_tokens: AssistantTokens,
+    budget: PromptBudget | None = None,
 ) -> list[int]:
-    """Prompt ids ending with the assistant's generation prompt."""
+    """Prompt ids ending with the assistant's generation prompt. With a ``budget``, a prompt
+    that cannot fit is an :class:`InputError` naming the message where it overflows."""
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    tail = encode(GENERATION_PROMPT)
+    rendered = with_tools(messages, tools)
+    opened = len(rendered) - len(messages)  # 1 when the tools opened a system message
     ids: list[int] = []
-    for message in with_tools(messages, tools):
+    for i, message in enumerate(rendered):
+        field = _field(i - opened, message, bool(tools))
         sampled = assistant_tokens(message) if message.role == "assistant" else None
         if sampled is None:
-            ids += encode(message_text(message))
-            continue
-        # exactly what was sampled; a turn cut by length or a stop string gets its end marker
-        closing = [] if sampled and sampled[-1] == im_end else [im_end]
-        ids += encode(f"{IM_START}assistant\n") + sampled + closing + encode("\n")
-    return ids + encode(GENERATION_PROMPT)
+            text = message_text(message)
+            if budget is not None:
+                budget.check_text(len(ids) + len(tail), text, field)
+            ids += encode(text)
+        else:
+            # exactly what was sampled; a turn cut by length or a stop string gets its end
+            closing = [] if sampled and sampled[-1] == im_end else [im_end]
+            ids += encode(f"{IM_START}assistant\n") + sampled + closing + encode("\n")
+        if budget is not None:
+            budget.check_tokens(len(ids) + len(tail), field)
+    return ids + tail
+
+
+def _field(index: int, message: Message, tools: bool) -> str:
+    """The request field a rendered message comes from (for errors)."""
+    if index < 0:
+        return "tools"
+    if index == 0 and tools and message.role == "system":
+        return "messages[0].content / tools"
+    return f"messages[{index}]" if message.tool_calls else f"messages[{index}].content"
 
 
 def parse_tool_calls(text: str, call_id: Callable[[int], str]) -> tuple[str, list[ToolCall]]:

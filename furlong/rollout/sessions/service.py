@@ -18,12 +18,17 @@ from typing import Any, Protocol
 from furlong.errors import InputError
 from furlong.rollout.base import GenerateResult, Weights
 from furlong.rollout.sample import Sample, truncate_response
-from furlong.rollout.sampling import SamplingParams
+from furlong.rollout.sampling import SamplingParams, fit_max_tokens
 from furlong.rollout.sessions.chat import ChatRequest, Message, completion_body, parse_chat_request
 from furlong.rollout.sessions.config import SessionServerConfig
 from furlong.rollout.sessions.r3 import assemble_routed_experts, request_offset, use_addition_r3
 from furlong.rollout.sessions.records import TurnRecord
-from furlong.rollout.sessions.render import check_chatml, parse_tool_calls, render_prompt
+from furlong.rollout.sessions.render import (
+    PromptBudget,
+    check_chatml,
+    parse_tool_calls,
+    render_prompt,
+)
 from furlong.rollout.sessions.state import Session, TurnPlan
 
 log = logging.getLogger("furlong.sessions")
@@ -47,6 +52,7 @@ class SessionEngine(Protocol):
 
     tokenizer: Any
     router: Any  # .is_moe: the model has top-k routers
+    model: Any  # .config.max_position_embeddings: the context a turn must fit
 
     def submit(
         self, prompt: list[int], params: SamplingParams, request_id: str | None = None
@@ -66,6 +72,8 @@ class SessionServer:
         self.engine, self.config = engine, config
         self.tokenizer = engine.tokenizer
         check_chatml(self.tokenizer)
+        self.context = int(engine.model.config.max_position_embeddings)
+        self.budget = PromptBudget.of(self.tokenizer, self.context)
         # Derived once from the required pause mode; turns read only this flag.
         self.use_addition_r3 = use_addition_r3(config.pause_mode)
         self.replay = config.routing_replay and bool(engine.router.is_moe)
@@ -111,11 +119,16 @@ class SessionServer:
             if session.closed:
                 raise SessionNotFound(f"session {session_id!r}: closed")
             lookup = session.assistant_tokens()
-            prompt = render_prompt(self.tokenizer, request.messages, request.tools, lookup)
+            prompt = render_prompt(
+                self.tokenizer, request.messages, request.tools, lookup, self.budget
+            )
+            max_tokens = fit_max_tokens(
+                request.max_tokens, len(prompt), self.context, self.config.max_tokens
+            )
             plan = session.plan(prompt)
             start = self._routes_start(plan)
             params = SamplingParams(
-                max_tokens=request.max_tokens,
+                max_tokens=max_tokens,
                 temperature=request.temperature,
                 top_p=request.top_p,
                 seed=request.seed,

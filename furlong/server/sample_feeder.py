@@ -1,0 +1,75 @@
+"""Fair sampling: one rollout engine fed from per-tenant queues in bounded waves.
+
+The engine batches continuously but queues FIFO, so a tenant asking for 20,000 samples would
+hold everyone else behind its whole request. The feeder keeps at most ``window`` sequences
+in the engine (one full batch) and, each time one finishes, submits the next sequence of the
+next tenant in round-robin order: another tenant's request joins at the next free slot.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from furlong.rollout.engine import EmbeddedEngine
+from furlong.rollout.sampling import SamplingParams
+from furlong.server.round_robin import RoundRobin
+
+
+@dataclass
+class _Item:
+    prompt: Sequence[int]
+    params: SamplingParams
+    future: Future = field(default_factory=Future)
+
+
+class FairFeeder:
+    def __init__(self, engine: EmbeddedEngine, window: int | None = None):
+        self.engine = engine
+        self.window = window or engine.max_running
+        self._lock = threading.Lock()
+        self._queues: RoundRobin[_Item] = RoundRobin()
+        self._in_flight = 0
+
+    def submit(
+        self, tenant: str, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+    ) -> list[Future]:
+        """Queue a whole request (validated whole first); one future per sequence."""
+        self.engine.check_requests(prompts, params)
+        items = [_Item(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        with self._lock:
+            self._queues.push(tenant, *items)
+        self._pump()
+        return [item.future for item in items]
+
+    def queued(self) -> int:
+        with self._lock:
+            return len(self._queues)
+
+    def _pump(self) -> None:
+        while True:
+            with self._lock:
+                if self._in_flight >= self.window or not self._queues:
+                    return
+                item = self._queues.pop()
+                self._in_flight += 1
+            try:
+                inner = self.engine.submit(item.prompt, item.params)
+            except Exception as exc:  # noqa: BLE001 - the sequence's own future reports it
+                self._finish(item, None, exc)
+                continue
+            inner.add_done_callback(lambda f, item=item: self._finish(item, f, None))
+
+    def _finish(self, item: _Item, inner: Future | None, exc: BaseException | None) -> None:
+        with self._lock:
+            self._in_flight -= 1
+        if inner is not None:
+            exc = inner.exception()
+        if exc is not None:
+            item.future.set_exception(exc)
+        else:
+            assert inner is not None
+            item.future.set_result(inner.result())
+        self._pump()
