@@ -85,7 +85,8 @@ class ComputeLane:
         self._waiting.push(ticket.tenant, ticket)
 
     def _next(self) -> _Ticket | None:
-        return self._waiting.pop() if self._waiting else None
+        picked = self._waiting.pop()
+        return None if picked is None else picked[1]
 
 
 class _TenantExecutor(Executor):

@@ -4,6 +4,7 @@ the sample feeders."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -18,14 +19,18 @@ class RoundRobin(Generic[T]):
     def push(self, tenant: str, *items: T) -> None:
         self._queues.setdefault(tenant, deque()).extend(items)
 
-    def pop(self) -> T:
-        """The oldest item of the first tenant in line; that tenant goes to the back."""
-        tenant, queue = next(iter(self._queues.items()))
+    def pop(self, eligible: Callable[[str], bool] | None = None) -> tuple[str, T] | None:
+        """``(tenant, item)``: the oldest item of the first tenant in line that is ``eligible``
+        (all are by default); that tenant goes to the back. None when no tenant is."""
+        tenant = next((t for t in self._queues if eligible is None or eligible(t)), None)
+        if tenant is None:
+            return None
+        queue = self._queues[tenant]
         item = queue.popleft()
         del self._queues[tenant]
         if queue:
             self._queues[tenant] = queue
-        return item
+        return tenant, item
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())

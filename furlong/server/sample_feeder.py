@@ -3,12 +3,15 @@
 The engine batches continuously but queues FIFO, so a tenant asking for 20,000 samples would
 hold everyone else behind its whole request. The feeder keeps at most ``window`` sequences
 in the engine (one full batch) and, each time one finishes, submits the next sequence of the
-next tenant in round-robin order: another tenant's request joins at the next free slot.
+next tenant in round-robin order. One tenant may hold all but ``reserved`` of the slots, so
+another tenant's request starts at the next decode step instead of waiting for one of the
+first tenant's sequences to end (which can take thousands of steps).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -26,12 +29,14 @@ class _Item:
 
 
 class FairFeeder:
-    def __init__(self, engine: EmbeddedEngine, window: int | None = None):
+    def __init__(self, engine: EmbeddedEngine, window: int | None = None, reserved: int = 1):
         self.engine = engine
         self.window = window or engine.max_running
+        self.per_tenant = max(1, self.window - reserved)  # slots one tenant may hold
         self._lock = threading.Lock()
         self._queues: RoundRobin[_Item] = RoundRobin()
         self._in_flight = 0
+        self._held: Counter[str] = Counter()  # in-flight sequences per tenant
 
     def submit(
         self, tenant: str, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
@@ -51,20 +56,27 @@ class FairFeeder:
     def _pump(self) -> None:
         while True:
             with self._lock:
-                if self._in_flight >= self.window or not self._queues:
+                if self._in_flight >= self.window:
                     return
-                item = self._queues.pop()
+                picked = self._queues.pop(lambda t: self._held[t] < self.per_tenant)
+                if picked is None:
+                    return
+                tenant, item = picked
                 self._in_flight += 1
+                self._held[tenant] += 1
             try:
                 inner = self.engine.submit(item.prompt, item.params)
             except Exception as exc:  # noqa: BLE001 - the sequence's own future reports it
-                self._finish(item, None, exc)
+                self._finish(tenant, item, None, exc)
                 continue
-            inner.add_done_callback(lambda f, item=item: self._finish(item, f, None))
+            inner.add_done_callback(lambda f, t=tenant, i=item: self._finish(t, i, f, None))
 
-    def _finish(self, item: _Item, inner: Future | None, exc: BaseException | None) -> None:
+    def _finish(
+        self, tenant: str, item: _Item, inner: Future | None, exc: BaseException | None
+    ) -> None:
         with self._lock:
             self._in_flight -= 1
+            self._held[tenant] -= 1
         if inner is not None:
             exc = inner.exception()
         if exc is not None:
