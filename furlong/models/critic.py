@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from safetensors import SafetensorError
 from transformers import AutoModel, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 from furlong.errors import InputError
 from furlong.models.presets import PRESETS, build_preset
@@ -86,12 +87,29 @@ def load_trunk(
     if not (os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "config.json"))):
         raise InputError(f"critic: {spec!r} is neither a preset nor a local HF model directory")
     try:
-        base, info = AutoModel.from_pretrained(spec, dtype=dtype, output_loading_info=True)
+        with _quiet_load_report():  # the LM head is left out on purpose: checked below instead
+            base, info = AutoModel.from_pretrained(spec, dtype=dtype, output_loading_info=True)
     except (OSError, ValueError, SafetensorError) as exc:  # unreadable or corrupt files
         raise InputError(f"critic: cannot load the trunk of {spec!r} ({exc})") from None
     if info["missing_keys"]:
         raise InputError(f"critic: {spec!r} lacks trunk weights {sorted(info['missing_keys'])[:5]}")
+    stray = sorted(k for k in info["unexpected_keys"] if not k.startswith(LM_HEAD_KEYS))
+    if stray:  # anything but the LM head means the directory is not this trunk's causal LM
+        raise InputError(f"critic: {spec!r} has weights the trunk does not use: {stray[:5]}")
     return _trunk_of(base)
+
+
+LM_HEAD_KEYS = ("lm_head.",)  # a causal LM's head: in the checkpoint, never in the trunk
+
+
+@contextmanager
+def _quiet_load_report() -> Iterator[None]:
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(previous)
 
 
 @contextmanager

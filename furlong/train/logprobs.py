@@ -285,8 +285,9 @@ def head_logprobs(
 
     ``hidden`` is ``[R, H]``; ``head`` maps ``[C, H]`` to model-precision logits ``[C, V]``.
     The full logits never exist; with ``recompute`` each chunk's head is re-run in backward.
-    A plain ``nn.Linear`` head takes a fused path whose backward writes the weight gradient
-    into one buffer (no ``[V, H]`` temporary per chunk); other heads (e.g. a LoRA-wrapped
+    A plain ``nn.Linear`` head takes a fused path whose backward sums the weight gradient into
+    one buffer (no ``[V, H]`` temporary per chunk; a low-precision head split into several
+    chunks sums in fp32 through one reused product buffer); other heads (e.g. a LoRA-wrapped
     head) and a differentiable entropy take the generic checkpointed path.
     """
     if supports is not None and targets.dim() != 1:
@@ -389,10 +390,16 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         temperature = ctx.temperature
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
-        grad_b = torch.zeros_like(bias) if (need_b and bias is not None) else None
         slices = chunk_slices(hidden.shape[0], ctx.chunk_size)
+        # A low-precision head summed over several chunks keeps its parameter gradients in fp32
+        # and rounds once at the end: rounding the running sum after every chunk makes the error
+        # grow with the number of chunks. fp32 heads and single chunks sum in place as before.
+        acc = torch.float32 if len(slices) > 1 else weight.dtype
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=acc) if (need_b and bias is not None) else None
+        # each chunk's product still runs as a model-precision GEMM (fp32 inside), into this
+        part = torch.empty_like(weight) if need_w and acc != weight.dtype else None
         work = _ChunkWorkspace(slices[0].stop - slices[0].start, weight)
         for s in slices:
             z = work.fp32_logits(hidden[s], weight, bias, temperature)
@@ -406,8 +413,18 @@ class _LinearHeadLogprobs(torch.autograd.Function):
             grad_logits = work.in_model_dtype(probs)
             if grad_h is not None:
                 torch.mm(grad_logits, weight, out=grad_h[s])
-            if grad_w is not None:
+            if grad_w is not None and part is None:
                 grad_w.addmm_(grad_logits.t(), hidden[s])
+            elif grad_w is not None:
+                grad_w.add_(torch.mm(grad_logits.t(), hidden[s], out=part))
             if grad_b is not None:
-                grad_b.add_(grad_logits.sum(0))
-        return grad_h, grad_w, grad_b, None, None, None, None
+                grad_b.add_(grad_logits.sum(0, dtype=acc))
+        return (
+            grad_h,
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+        )

@@ -240,3 +240,21 @@ def test_model_without_separable_trunk_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(model, "get_decoder", lambda: model)  # the head sits inside the "trunk"
     with pytest.raises(InputError, match="no trunk separable from its LM head"):
         critic_from_policy(model)
+
+
+def test_hf_dir_load_is_quiet_about_the_lm_head_and_strict_about_other_keys(
+    policy, hf_dir: Path, tmp_path: Path, capfd
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    critic_from_pretrained(hf_dir, seed=1)
+    assert "LOAD REPORT" not in capfd.readouterr().err  # lm_head is left out on purpose
+    stray = save_hf_dir(*policy, tmp_path / "stray")
+    (shard,) = stray.glob("*.safetensors")
+    tensors = load_file(shard)
+    tensors["model.extra_probe.weight"] = torch.ones(3)  # not a trunk weight, not the LM head
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(
+        InputError, match=r"weights the trunk does not use: \['model.extra_probe.weight'\]"
+    ):
+        critic_from_pretrained(stray)
