@@ -19,15 +19,18 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def train_config(args: argparse.Namespace, config_file: str | None = None) -> Any:
-    """The RLConfig a `furlong train` command line means: the file, then the overrides, then
-    the scale-out flags (as ``scale.*`` overrides, so they are validated like the rest)."""
+def train_config(
+    args: argparse.Namespace, config_file: str | None = None, first: tuple[str, ...] = ()
+) -> Any:
+    """The RLConfig a `furlong train` command line means: the file, then the overrides (after
+    ``first``), then the scale-out flags (as ``scale.*`` overrides, so they are validated like
+    the rest)."""
     from furlong.rl.config import load_config
     from furlong.rl.scale_out import ScaleOut
 
-    config, overrides = args.config, list(args.overrides)
+    config, overrides = args.config, [*first, *args.overrides]
     if config is not None and "=" in config and not config.endswith(".toml"):
-        config, overrides = None, [config, *overrides]  # only overrides were given
+        config, overrides = None, [*first, config, *args.overrides]  # only overrides were given
     flags = ScaleOut(args.trainer_ranks, args.ray, args.rollout_engines, args.ray_colocate)
     for name, value in dataclasses.asdict(flags).items():  # flags beat the file, as overrides
         if value != getattr(ScaleOut(), name):
@@ -38,11 +41,26 @@ def train_config(args: argparse.Namespace, config_file: str | None = None) -> An
 def _train(args: argparse.Namespace) -> int:
     from furlong.rl.loop import train
 
-    summary = train(train_config(args))
+    if args.resume is None:
+        summary = train(train_config(args))
+    else:
+        summary = train(_resume_config(args), resume=args.resume)
     print(f"held-out before RL: {summary.before}")
     print(f"held-out after RL:  {summary.after} ({summary.seconds:.0f} s)")
     print(f"metrics and curves in {summary.out_dir}; policy: {summary.hf_dir}")
     return 0
+
+
+def _resume_config(args: argparse.Namespace) -> Any:
+    """Without a TOML file: the checkpoint's own config, writing on into its run directory;
+    the overrides apply on top (e.g. more ``run.steps``)."""
+    from furlong.rl.resume import find_checkpoint
+
+    if args.config is not None and args.config.endswith(".toml"):
+        return train_config(args)
+    saved = find_checkpoint(args.resume)
+    out = f"run.out_dir={json.dumps(str(saved.run_dir))}"
+    return train_config(args, str(saved.path / "config.toml"), first=(out,))
 
 
 def _init_model(args: argparse.Namespace) -> int:
@@ -116,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="RL post-training from a TOML config")
     train.add_argument("config", nargs="?", help="a TOML file ([model], [rollout], [algo], ...)")
     train.add_argument("overrides", nargs="*", help="group.field=value, e.g. rollout.group_size=4")
+    train.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue a run bit-identically from a checkpoint (run.save_every): the run's "
+        "out_dir (its latest checkpoint) or one checkpoint directory; without a TOML file the "
+        "checkpoint's config is used, overrides on top (e.g. run.steps=200)",
+    )
     train.add_argument("--trainer-ranks", type=int, default=1, help="FSDP2 data-parallel ranks")
     train.add_argument(
         "--ray",
@@ -153,10 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     sessions.add_argument("--model", default="tiny-qwen3-moe", help="preset or local HF dir")
     sessions.add_argument("--host", default="127.0.0.1")
     sessions.add_argument("--port", type=int, default=8000)
-    sessions.add_argument(
+    sessions.add_argument(  # required: the R3 offsets depend on it (no silent default)
         "--pause-mode",
         choices=["abort", "in_place", "retract"],
-        default="abort",
+        required=True,
         help="what in-flight turns do when weights are published",
     )
     sessions.add_argument("--no-routing-replay", action="store_true", help="MoE: no R3 rows")

@@ -64,8 +64,8 @@ def _import_wandb() -> Any:
         return importlib.import_module("wandb")
     except ImportError as e:
         raise InputError(
-            "run.wandb.enabled is true but the wandb package is not installed: "
-            "`pip install wandb`, or set run.wandb.enabled=false"
+            "run.wandb is true but the wandb package is not installed: "
+            "`pip install wandb`, or set run.wandb=false"
         ) from e
 
 

@@ -160,3 +160,12 @@ def test_demo_smoke(tmp_path: Path, capsys) -> None:
 def test_demo_rejects_a_bad_override(capsys) -> None:
     assert cli.main(["demo", "--out", "/nonexistent/x", "rollout.group_size=1"]) == 2
     assert "rollout.group_size" in capsys.readouterr().err
+
+
+def test_session_server_needs_an_explicit_pause_mode(capsys) -> None:
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["session-server", "--model", "tiny-qwen3"])
+    assert "--pause-mode" in capsys.readouterr().err
+    args = parser.parse_args(["session-server", "--pause-mode", "retract"])
+    assert args.pause_mode == "retract"

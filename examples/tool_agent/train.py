@@ -29,14 +29,10 @@ from tqdm import tqdm
 from furlong.models import build_preset
 from furlong.rl.advantages import grpo
 from furlong.rl.tasks import Problem, addition, exact_number
+from furlong.rollout.codec import MEDIA_TYPE, decode_samples, opt_in
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sample import Sample
-from furlong.rollout.sessions import (
-    SessionServer,
-    SessionServerConfig,
-    create_app,
-    sample_from_json,
-)
+from furlong.rollout.sessions import SessionServer, SessionServerConfig, create_app
 from furlong.rollout.sessions.chat import Message, ToolCall
 from furlong.rollout.sessions.render import format_tool_call, render_prompt
 from furlong.serving import background_server
@@ -93,9 +89,14 @@ def episode(client: httpx.Client, problem: Problem, seed: int) -> Sample:
     base_url = str(client.base_url).rstrip("/") + session["base_url"]
     outcome = solve(client, base_url, problem.prompt, seed)
     reward = exact_number(outcome.answer, problem) + 0.1 * min(outcome.tool_calls, 1)
-    body = client.post(f"/sessions/{session['id']}/samples", json={"reward": reward}).json()
+    response = client.post(  # the codec's payload, opted in to the MoE routes
+        f"/sessions/{session['id']}/samples?fields=routed_experts",
+        json={"reward": reward},
+        headers={"accept": MEDIA_TYPE},
+    )
     client.delete(f"/sessions/{session['id']}")
-    return sample_from_json(body["samples"][0])
+    (sample,) = decode_samples(response.content, opt_in("routed_experts"))
+    return sample
 
 
 def datum(sample: Sample, advantage: float, scale: float) -> Datum:

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from furlong.errors import InputError
+from furlong.rl.rollout_choice import check_choice
 from furlong.rl.scale_out import ScaleOut
-from furlong.rl.tasks import REWARDS
+from furlong.rl.tasks import check_task
 from furlong.train.optim import OptimizerConfig
 
 
@@ -37,15 +38,20 @@ class ModelConfig:
     seed: int = 0  # seed of a preset's random weights
     device: str = "cpu"  # cpu | cuda | cuda:N: trainer, critic and rollout engine share it
     dtype: str = "float32"  # float32 | bfloat16 (keep float32 on CPU: bf16 is emulated there)
+    lora_rank: int = 0  # > 0: train a LoRA adapter of this rank (peft) instead of every weight
+    lora_attn: bool = True  # the adapter covers the attention projections
+    lora_mlp: bool = True  # ... the MLP projections (MoE experts included)
+    lora_unembed: bool = False  # ... the LM head
 
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Problems and the verifier that rewards a response."""
+    """Problems and the verifier that rewards a response. A name or reward of the form
+    ``"module:function"`` is your own (docs/rl.md, "Your own task and reward")."""
 
-    name: str = "addition"  # addition | largest | reverse | jsonl
-    path: str = ""  # the JSONL file for name = "jsonl"
-    reward: str = "exact_number"  # the verifier: exact_number | exact_match | contains
+    name: str = "addition"  # addition | largest | reverse | jsonl | "module:function"
+    path: str = ""  # the JSONL file for name = "jsonl" (a plug-in task receives it too)
+    reward: str = "exact_number"  # exact_number | exact_match | contains | "module:function"
     max_a: int = 99  # addition: a in [0, max_a]; largest / reverse: digits per string
     max_b: int = 9  # addition: b in [0, max_b]
     eval_size: int = 0  # held-out problems to evaluate; 0: all of them
@@ -71,6 +77,9 @@ class RolloutConfig:
     temperature: float = 1.0  # the trainer scores at the same temperature
     top_p: float = 1.0  # nucleus sampling; < 1 turns sampling-mask replay on
     top_k: int = 0  # 0: off; top_p < 1 or top_k > 0 turns sampling-mask replay on
+    engine: str = "embedded"  # embedded (in process) | sglang (rollout.urls); Ray: [scale] ray
+    urls: list[str] = field(default_factory=list)  # sglang: the servers' base URLs
+    staging_dir: str = ""  # sglang: a directory the servers read published weights from
 
 
 @dataclass(frozen=True)
@@ -120,7 +129,14 @@ class RunConfig:
     eval_every: int = 10  # held-out evaluation every this many steps (and at the end)
     out_dir: str = "runs/rl"  # metrics.jsonl, warmup.jsonl, curves.png, policy/
     seed: int = 0  # problems, sampling and the critic's head
-    export_hf: bool = True  # write the final policy as an HF directory
+    export_hf: bool = True  # write the final policy as an HF directory (LoRA: merged)
+    export_adapter: bool = False  # LoRA: also write the adapter alone (peft) in policy_adapter/
+    tensorboard: bool = True  # mirror metrics to TensorBoard under out_dir/tensorboard/
+    wandb: bool = False  # mirror metrics to wandb (pip install wandb; WANDB_MODE=offline works)
+    wandb_project: str = "furlong"  # the wandb project the run logs to
+    # a checkpoint every this many steps and at the end, under out_dir/checkpoints/, to
+    # continue bit-identically with `furlong train --resume` (0: none)
+    save_every: int = 0
     log_kl: bool = True  # report KL to the starting policy without a penalty (one more forward)
     progress: bool = True  # progress bars
 
@@ -155,7 +171,7 @@ class RLConfig:
         _one_of("algo.advantage", a.advantage, ("grpo", "gae", "reinforce_pp"))
         _one_of("algo.objective", a.objective, ("importance_sampling", "ppo", "cispo", "dro"))
         _one_of("algo.normalize", a.normalize, ("token", "sequence"))
-        _one_of("task.reward", self.task.reward, tuple(REWARDS))
+        check_task(self.task.name, self.task.reward)  # imports "module:function" plug-ins
         _one_of("model.dtype", self.model.dtype, ("float32", "bfloat16"))
         device = self.model.device
         if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
@@ -171,6 +187,15 @@ class RLConfig:
         ]:
             if value < 1:
                 raise InputError(f"{name}: must be >= 1, got {value}")
+        self._check_lora()
+        check_choice(self.rollout.engine, self.rollout.urls)
+        if self.rollout.engine != "embedded" and self.scale.enabled:
+            raise InputError(
+                f"rollout.engine: {self.rollout.engine!r} with [scale]: the scale-out places "
+                "its own engines (use rollout.engine = 'embedded' there)"
+            )
+        if self.run.save_every < 0:
+            raise InputError(f"run.save_every: must be >= 0 (0: none), got {self.run.save_every}")
         if a.advantage == "grpo" and r.group_size < 2:
             raise InputError(
                 "rollout.group_size: GRPO compares samples of one prompt, so it needs >= 2 "
@@ -198,10 +223,29 @@ class RLConfig:
             raise InputError(f"algo.kl_coef: must be >= 0, got {a.kl_coef}")
         if self.critic.warmup_steps and not self.uses_critic:
             raise InputError("critic.warmup_steps: needs the critic (algo.advantage = 'gae')")
-        if self.colocate.enabled:
-            self.handoff().validate(has_critic=self.uses_critic)
+        try:  # checked even while off: a typo must not wait for the day it is switched on
+            self.handoff().validate(has_critic=self.colocate.enabled and self.uses_critic)
+        except InputError as exc:
+            raise InputError(f"colocate.{exc}") from None
         self.scale.check(self.colocate.enabled)
         return self
+
+    def _check_lora(self) -> None:
+        m = self.model
+        if m.lora_rank < 0:
+            raise InputError(f"model.lora_rank: must be >= 0 (0: full), got {m.lora_rank}")
+        if not m.lora_rank:
+            if self.run.export_adapter:
+                raise InputError("run.export_adapter: needs model.lora_rank > 0")
+            return
+        # not yet: the adapter's sleep/merge choreography, rank groups and resume of the base
+        for name, on in (
+            ("colocate.enabled", self.colocate.enabled),
+            ("scale (trainer ranks / Ray)", self.scale.enabled),
+            ("run.save_every", self.run.save_every > 0),
+        ):
+            if on:
+                raise InputError(f"model.lora_rank: LoRA is not supported with {name} yet")
 
     def handoff(self) -> Any:
         from furlong.rl.handoff import HandoffConfig

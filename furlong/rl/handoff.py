@@ -196,8 +196,9 @@ class Colocation:
     """The hand-off between a trainer and a rollout engine on one device.
 
     Call ``startup`` once, then per step: generate → ``after_generate`` → train →
-    ``publish``. Event names per phase (full level, trainer offload; a step whose region is
-    outside the level is skipped with its twin):
+    ``publish``; ``finish`` once at the end wakes the trainer (to export its weights). Event
+    names per phase (full level, trainer offload; a step whose region is outside the level is
+    skipped with its twin):
 
     ======================= ============================================================
     cpu ``startup``         offload_all, load_trainer, trainer_sleep, onload_weights,
@@ -208,6 +209,7 @@ class Colocation:
     gpu ``after_generate``  offload_kv, trainer_wake, offload_weights
     gpu ``publish``         clear_caches, onload_weights, trainer_sleep, update_weights,
                             onload_kv
+    ``finish``              the events of ``after_generate`` (the run is over)
     ======================= ============================================================
 
     The weight update runs while the trainer sleeps: it reads :func:`trainer_weights` (the
@@ -258,7 +260,16 @@ class Colocation:
 
     def after_generate(self) -> None:
         """Hand the device to the trainer once generation is done."""
-        self._enter("after_generate", "generating")
+        self._to_trainer("after_generate")
+
+    def finish(self) -> None:
+        """The run is over: hand the device to the trainer for good, so that what reads its
+        live weights (``export_hf``, ``save_state``) finds it awake. The moves of
+        ``after_generate``."""
+        self._to_trainer("finish")
+
+    def _to_trainer(self, method: str) -> None:
+        self._enter(method, "generating")
         self._offload("offload_kv", ["kv_cache"])
         if self.gpu:  # the trainer wakes into freed device space, the mirror into freed host
             self._wake()
@@ -362,7 +373,7 @@ def trainer_weights(trainer: Any) -> dict[str, torch.Tensor]:
     it sleeps (when the weight update runs), else the live parameters."""
     if trainer.host_weights is not None:
         return dict(trainer.host_weights)
-    return {n: p.detach() for n, p in zip(trainer.param_names, trainer.params, strict=True)}
+    return trainer.rollout_weights()
 
 
 def rollout_bytes(rollout: Any) -> dict[str, int]:

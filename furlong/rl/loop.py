@@ -21,17 +21,21 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from furlong.metrics import MetricsLog, plot_metrics
+from furlong.errors import InputError
+from furlong.metrics import MetricsLog, Tracker, WandbSettings, plot_metrics, read_metrics
 from furlong.models.loading import load_model
 from furlong.models.moe import find_routers
 from furlong.rl import advantages as adv
+from furlong.rl import resume as resume_mod
 from furlong.rl import scale_out
 from furlong.rl.config import RLConfig, to_toml
 from furlong.rl.episodes import Episode, generate_episodes
+from furlong.rl.rollout_choice import build_rollout
 from furlong.rl.scale_out import ScaleOut
+from furlong.rl.signal_watch import SignalWatch
 from furlong.rl.tasks import build_task
 from furlong.rl.warmup import evaluate, supervised_warmup
-from furlong.rollout.engine import EmbeddedEngine
+from furlong.rollout.base import RolloutEngine
 from furlong.rollout.sampling import SamplingParams
 from furlong.train.engine import EngineConfig, TrainingEngine
 from furlong.types import AdamParams
@@ -49,16 +53,28 @@ class RunSummary:
     hf_dir: Path | None
 
 
-def train(config: RLConfig, scale: ScaleOut | None = None) -> RunSummary:
+def train(
+    config: RLConfig, scale: ScaleOut | None = None, resume: str | Path | None = None
+) -> RunSummary:
     """``scale``: trainer ranks and Ray placement (``furlong.rl.scale_out``); default: the
-    config's ``[scale]`` group (one process)."""
+    config's ``[scale]`` group (one process). ``resume``: a checkpoint directory, or a run's
+    ``out_dir`` (its latest checkpoint), to continue bit-identically (``furlong.rl.resume``)."""
     config.validate()
     scale = scale or config.scale
     scale.check(config.colocate.enabled)
+    saved = resume_mod.prepare(config, scale, resume)  # None: a fresh run
     start = time.perf_counter()
     run, ro, algo = config.run, config.rollout, config.algo
     out = Path(run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if saved is None:
+        resume_mod.forget_latest(out)
+    tracker = Tracker(
+        out,
+        tensorboard=run.tensorboard,
+        wandb=WandbSettings(enabled=run.wandb, project=run.wandb_project),
+    )
+    log, rows = _metrics_log(out, saved, tracker)  # before anything is written: may refuse
     _write_atomic(out / "config.toml", to_toml(config))  # `furlong train` reruns it
     rng = random.Random(run.seed)
     torch.manual_seed(run.seed)
@@ -72,26 +88,36 @@ def train(config: RLConfig, scale: ScaleOut | None = None) -> RunSummary:
     t = config.task
     task = build_task(t.name, t.reward, t.path, t.max_a, t.max_b)
     held_out = task.eval[: t.eval_size] if t.eval_size else task.eval
-    if config.warmup.steps:
+    if config.warmup.steps and saved is None:  # a resumed run has its warm-up in the checkpoint
         warmup = TrainingEngine(policy, tokenizer, engine_config)
         losses = supervised_warmup(warmup, task, config.warmup, rng, run.progress)
-        warm_log = MetricsLog(out / "warmup.jsonl")
+        warm_log = MetricsLog(out / "warmup.jsonl", tracker=tracker)
         for i, loss in enumerate(losses, 1):
             warm_log.write(i, {"loss": loss})
     batch = ro.prompts_per_step * ro.group_size
     if scale.enabled:  # trainer ranks (with Ray, the engines too) in other processes
         actor, rollout = scale_out.build(scale, config, policy, tokenizer, batch)
     else:
-        actor = TrainingEngine(policy, tokenizer, engine_config)  # a fresh optimizer for RL
-        rollout = EmbeddedEngine(copy.deepcopy(policy), tokenizer, max_running=batch)
+        actor = _actor(config, policy, tokenizer, engine_config)  # a fresh optimizer for RL
+        rollout = build_rollout(
+            ro.engine, ro.urls, policy, tokenizer, batch, staging_dir=ro.staging_dir or None
+        )
     keep_reference = algo.kl_coef > 0 or run.log_kl
     # the reference never steps: no optimizer state
     frozen = EngineConfig(device=m.device, share_prefixes=algo.share_prefixes)
     reference = TrainingEngine(copy.deepcopy(policy), None, frozen) if keep_reference else None
     critic = _critic(config, policy)
-    colocation = _colocation(config, actor, rollout)
+    if saved is not None:  # the copies above started from the model as loaded
+        resume_mod.restore_reference(saved, reference)
+        critic = resume_mod.restore_critic(
+            saved, critic, lambda: _critic_from_actor(config, saved, policy)
+        )
+    colocation = _colocation(config, actor, rollout, saved)  # a colocated actor loads in there
+    if saved is not None and colocation is None:
+        resume_mod.restore_actor(saved, actor)
+        _publish(actor, rollout, saved.weight_version)
+    saved_reference = reference if config.warmup.steps else None  # else: the model as loaded
 
-    log = MetricsLog(out / "metrics.jsonl")
     params = SamplingParams(
         max_tokens=ro.max_tokens,
         temperature=ro.temperature,
@@ -103,9 +129,21 @@ def train(config: RLConfig, scale: ScaleOut | None = None) -> RunSummary:
     evaluate_now = functools.partial(
         evaluate, rollout, tokenizer, task, held_out, params, t.eval_samples
     )
-    before = accuracy = evaluate_now()
-    log.write(0, before)
-    bar = tqdm(range(1, run.steps + 1), desc="rl", disable=not run.progress)
+    if saved is None:
+        before = accuracy = evaluate_now()
+        log.write(0, before)
+    else:  # the step-0 and latest evaluations are in the kept metrics
+        before, accuracy = _evaluations(rows)
+        resume_mod.restore_rng(saved, rng)  # last: the set-up above draws from torch's
+    first = 0 if saved is None else saved.step
+    bar = tqdm(
+        range(first + 1, run.steps + 1),
+        desc="rl",
+        initial=first,
+        total=run.steps,
+        disable=not run.progress,
+    )
+    watch = SignalWatch(algo.minibatches)
     for step in bar:
         tick = time.perf_counter()
         # 1-2. generate and reward
@@ -128,6 +166,10 @@ def train(config: RLConfig, scale: ScaleOut | None = None) -> RunSummary:
         # 6. train the actor (after the critic-only warm-up)
         if step > config.critic.warmup_steps or critic is None:
             metrics |= _train_actor(config, actor, episodes, advantages)
+        # a checkpoint's engines are written now, while a colocated trainer is awake
+        pending = None
+        if run.save_every and (step % run.save_every == 0 or step == run.steps):
+            pending = resume_mod.stage(out, step, actor, critic, saved_reference)
         # 7. publish the new weights to the rollout engine
         publish = functools.partial(_publish, actor, rollout, step)
         if colocation is not None:
@@ -142,15 +184,103 @@ def train(config: RLConfig, scale: ScaleOut | None = None) -> RunSummary:
             metrics |= accuracy
         metrics["step_seconds"] = time.perf_counter() - tick
         log.write(step, metrics)
+        watch.observe(metrics)
+        if pending is not None:  # complete once its step's metrics line is in the file
+            resume_mod.commit(pending, config, step, rng)
         bar.set_postfix(reward=f"{metrics['reward:mean']:.2f}", **_short(accuracy))
 
-    plot_metrics(log.path, out / "curves.png", PLOTTED, title=f"furlong RL ({algo.advantage})")
-    hf_dir = actor.export_hf(out / "policy") if run.export_hf else None
+    watch.finish()
+    warm_path = out / "warmup.jsonl"
+    plot_metrics(
+        log.path,
+        out / "curves.png",
+        PLOTTED,
+        title=f"furlong RL ({algo.advantage})",
+        warmup_jsonl=warm_path if warm_path.is_file() else None,
+    )
+    tracker.close()
+    hf_dir = _export(actor, colocation, out / "policy") if run.export_hf else None
+    if run.export_adapter:
+        _export_adapter(actor, out / "policy_adapter")
     scale_out.close(actor, rollout)
     return RunSummary(before, accuracy, run.steps, time.perf_counter() - start, out, hf_dir)
 
 
+# ---------------------------------------------------------------- resume and export
+
+
+def _metrics_log(
+    out: Path, saved: resume_mod.Checkpoint | None, tracker: Tracker
+) -> tuple[MetricsLog, list]:
+    """A fresh log; on resume, the log kept up to the checkpoint's step (a crash may have
+    written later lines, which the resumed steps write again) and its rows."""
+    path = out / "metrics.jsonl"
+    if saved is None:
+        return MetricsLog(path, tracker=tracker, prefix="rl"), []
+    if not path.is_file():
+        raise InputError(
+            f"run.out_dir: {path} is missing; a resume appends to its run's metrics (set "
+            f"run.out_dir to {saved.run_dir})"
+        )
+    log = MetricsLog(path, tracker=tracker, prefix="rl", resume_from_step=saved.step)
+    return log, read_metrics(path)
+
+
+def _evaluations(rows: list[dict[str, float]]) -> tuple[dict[str, float], dict[str, float]]:
+    """The step-0 evaluation and the latest one, from the metrics rows."""
+    evals = [{k: v for k, v in r.items() if k.startswith("eval_")} for r in rows]
+    evals = [e for e in evals if e]
+    return (evals[0], evals[-1]) if evals else ({}, {})
+
+
+def _critic_from_actor(config: RLConfig, saved: resume_mod.Checkpoint, policy: Any) -> Any:
+    """A fresh critic on the checkpoint's actor weights (``policy``: a model of its shape)."""
+    return _critic(config, resume_mod.actor_model(saved, policy))
+
+
+def _export(actor: TrainingEngine, colocation: Any, path: Path) -> Path:
+    if colocation is not None:  # the last publish left the trainer asleep
+        colocation.finish()
+    return actor.export_hf(path)
+
+
 # ---------------------------------------------------------------- the parts
+
+
+ADAPTER = "actor"  # the peft adapter's name in a LoRA run
+
+
+def _actor(
+    config: RLConfig, policy: Any, tokenizer: Any, engine_config: EngineConfig
+) -> TrainingEngine:
+    """The trainer: every weight of the policy, or (``model.lora_rank``) a LoRA adapter on a
+    weight-sharing view of it, built by the same code as the Tinker service's adapters."""
+    m = config.model
+    if not m.lora_rank:
+        return TrainingEngine(policy, tokenizer, engine_config)
+    from furlong.train import lora
+
+    spec = lora.LoraSpec(
+        rank=m.lora_rank, train_mlp=m.lora_mlp, train_attn=m.lora_attn, train_unembed=m.lora_unembed
+    )
+    peft = lora.add_adapter(None, policy, ADAPTER, lora.peft_config(policy, spec), config.run.seed)
+    return TrainingEngine(
+        peft,
+        tokenizer,
+        engine_config,
+        trainable=lora.adapter_params(peft, ADAPTER),
+        merged=functools.partial(lora.merged_model, peft),
+    )
+
+
+def _export_adapter(actor: TrainingEngine, path: Path) -> Path:
+    from furlong.models.loading import atomic_dir, publish_dir
+    from furlong.train import lora
+
+    tmp, final = atomic_dir(path)
+    lora.save_adapter(tmp, actor.model, ADAPTER)
+    publish_dir(tmp, final)
+    return final
 
 
 def _critic(config: RLConfig, policy: Any) -> Any:
@@ -166,13 +296,23 @@ def _critic(config: RLConfig, policy: Any) -> Any:
     )
 
 
-def _colocation(config: RLConfig, actor: TrainingEngine, rollout: EmbeddedEngine) -> Any:
+def _colocation(
+    config: RLConfig,
+    actor: TrainingEngine,
+    rollout: RolloutEngine,
+    saved: resume_mod.Checkpoint | None,
+) -> Any:
     if not config.colocate.enabled:
         return None
     from furlong.rl.handoff import Colocation
 
     colocation = Colocation(actor, rollout, config.handoff(), has_critic=config.uses_critic)
-    colocation.startup(lambda: None, functools.partial(_publish, actor, rollout, 0))
+    if saved is None:
+        load, version = (lambda: None), 0
+    else:  # the contract's "trainer init + checkpoint load"
+        load = functools.partial(resume_mod.restore_actor, saved, actor)
+        version = saved.weight_version
+    colocation.startup(load, functools.partial(_publish, actor, rollout, version))
     return colocation
 
 
@@ -186,7 +326,7 @@ def _short(accuracy: dict[str, float]) -> dict[str, str]:
     return {k.removeprefix("eval_"): f"{v:.2f}" for k, v in accuracy.items()}
 
 
-def _publish(actor: TrainingEngine, rollout: EmbeddedEngine, version: int) -> None:
+def _publish(actor: TrainingEngine, rollout: RolloutEngine, version: int) -> None:
     if not isinstance(actor, TrainingEngine):  # a trainer group: rank 0 gathers the weights
         return scale_out.publish(actor, rollout, version)
     from furlong.rl.handoff import trainer_weights  # the host copy while the trainer sleeps

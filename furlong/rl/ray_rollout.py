@@ -5,6 +5,12 @@ when its process dies. :class:`RayRollout` splits a generate call across the eng
 in request order) and remembers the last published weights (an object ref): when an engine
 dies mid-call, it waits for the restart, publishes those weights and version again, and
 retries the call, so no request is served by stale weights.
+
+Generation results come back as one rollout-codec payload per engine call, not as pickled
+objects, so the codec's allowlist governs what travels: the default fields, plus the optional
+ones (sampling masks, routed experts) the driver opts in to, by default what the call's
+``SamplingParams`` ask for. An engine sends every optional field its results carry, and the
+driver's strict decode refuses one it did not opt in to.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from ray.exceptions import RayActorError
 
 from furlong.models.loading import load_model
 from furlong.rollout.base import GenerateResult, MemoryTag, PauseMode, Weights, expand_params
+from furlong.rollout.codec import decode_results, encode_results, opt_in, payload_fields
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sampling import SamplingParams
 
@@ -53,14 +60,40 @@ class RolloutActor:
     def call(self, method: str, *args: Any) -> Any:
         if method not in CALLS:
             raise ValueError(f"method: {method!r} is not one of {sorted(CALLS)}")
+        if method == "generate":
+            return self.generate(*args)
         return getattr(self.engine, method)(*args)
+
+    def generate(
+        self, prompts: list[list[int]], params: list[SamplingParams], fields: Sequence[str]
+    ) -> bytes:
+        """The results as a codec payload: the driver's ``fields`` and all the results carry."""
+        results = self.engine.generate(prompts, params)
+        return encode_results(results, payload_fields(results, fields))
+
+
+def requested_fields(params: Sequence[SamplingParams]) -> tuple[str, ...]:
+    """The codec allowlist that carries what ``params`` ask the engine to return."""
+    optional = [
+        *(["sampling_mask"] if any(p.return_sampling_mask for p in params) else []),
+        *(["routed_experts"] if any(p.return_routed_experts for p in params) else []),
+    ]
+    return opt_in(*optional)
 
 
 class RayRollout:
-    """The engines of a run; ``restarts`` counts recoveries."""
+    """The engines of a run; ``restarts`` counts recoveries. ``fields``: the codec allowlist
+    results travel under (None: per call, what its ``SamplingParams`` ask for)."""
 
-    def __init__(self, engines: Sequence[Any], attempts: int = 3, restart_timeout_s: float = 600):
+    def __init__(
+        self,
+        engines: Sequence[Any],
+        attempts: int = 3,
+        restart_timeout_s: float = 600,
+        fields: Sequence[str] | None = None,
+    ):
         self.engines = list(engines)
+        self.fields = None if fields is None else opt_in(*fields)
         self.attempts = attempts
         self.restart_timeout_s = restart_timeout_s
         self.restarts = 0
@@ -77,9 +110,10 @@ class RayRollout:
     ) -> list[GenerateResult]:
         """Contiguous slices of the prompts, one per engine, all in flight at once."""
         plist = expand_params(len(prompts), params)
+        fields = requested_fields(plist) if self.fields is None else self.fields
         n, k = len(prompts), len(self.engines)
         bounds = [(j * n // k, (j + 1) * n // k) for j in range(k)]
-        args = [([list(p) for p in prompts[a:b]], plist[a:b]) for a, b in bounds]
+        args = [([list(p) for p in prompts[a:b]], plist[a:b], fields) for a, b in bounds]
         refs = [
             e.call.remote("generate", *a) if a[0] else None
             for e, a in zip(self.engines, args, strict=True)
@@ -87,7 +121,7 @@ class RayRollout:
         results: list[GenerateResult] = []
         for j, ref in enumerate(refs):
             if ref is not None:
-                results += self._get(j, ref, "generate", *args[j])
+                results += decode_results(self._get(j, ref, "generate", *args[j]), fields)
         return results
 
     def update_weights(self, weights: Weights | ray.ObjectRef, version: int | None = None) -> int:

@@ -4,14 +4,28 @@ Built-in: ``addition``, ``largest`` and ``reverse`` (synthetic and verifiable; a
 held out by hash) and ``jsonl`` (``{"prompt": ..., "answer": ...}`` per line, an optional
 ``"split": "train" | "eval"``; without it every tenth line is held out).
 Rewards are looked up by name in :data:`REWARDS`.
+
+Plug-ins, slime-style: a ``task.name`` or ``task.reward`` holding a ``:`` is a function path
+``"module:function"``. The module is imported with :func:`importlib.import_module` (a dotted
+name on ``sys.path``; the working directory is searched last, so a ``my_reward.py`` beside the
+run works under the ``furlong`` script too):
+
+- reward: ``score(response: str, problem: Problem) -> float``, like :data:`REWARDS`' entries;
+- task: ``problems(*, path: str, max_a: int, max_b: int) -> (train, eval)``, two non-empty
+  lists of :class:`Problem`, like the built-in generators (``addition``, ``jsonl``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
+import math
+import numbers
+import os
 import random
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,10 +133,14 @@ def jsonl(path: str | Path) -> tuple[list, list]:
     return train, held
 
 
+TASKS = ("addition", "largest", "reverse", "jsonl")
+
+
 def build_task(name: str, reward: str, path: str = "", max_a: int = 99, max_b: int = 9) -> Task:
-    if reward not in REWARDS:
-        raise InputError(f"task.reward: unknown {reward!r}; expected one of {sorted(REWARDS)}")
-    if name == "addition":
+    verifier = resolve_reward(reward)
+    if ":" in name:
+        train, held = _plugin_problems(name, path, max_a, max_b)
+    elif name == "addition":
         train, held = addition(max_a, max_b)
     elif name == "largest":
         train, held = largest(max_a)
@@ -133,6 +151,101 @@ def build_task(name: str, reward: str, path: str = "", max_a: int = 99, max_b: i
             raise InputError("task.path: required for task.name = 'jsonl'")
         train, held = jsonl(path)
     else:
-        raise InputError(f"task.name: unknown {name!r}; expected 'addition' or 'jsonl'")
+        raise InputError(f"task.name: unknown {name!r}; expected one of {list(TASKS)} or {_FORM}")
     random.Random(0).shuffle(held)  # any prefix (task.eval_size) is a fair sample
-    return Task(name, train, held, REWARDS[reward])
+    return Task(name, train, held, verifier)
+
+
+def check_task(name: str, reward: str) -> None:
+    """Config-time check: built-in names exist, function paths import to callables (the task
+    function itself runs only in :func:`build_task`: it may read data)."""
+    resolve_reward(reward)
+    if ":" in name:
+        load_function(name, "task.name")
+    elif name not in TASKS:
+        raise InputError(f"task.name: unknown {name!r}; expected one of {list(TASKS)} or {_FORM}")
+
+
+# ------------------------------------------------------------------ plug-ins
+
+_FORM = "'module:function'"
+
+
+def resolve_reward(reward: str) -> Verifier:
+    """A name in :data:`REWARDS` (looked up now, so registering at runtime works) or a path."""
+    if ":" in reward:
+        return PluginReward(reward, load_function(reward, "task.reward"))
+    if reward not in REWARDS:
+        raise InputError(
+            f"task.reward: unknown {reward!r}; expected one of {sorted(REWARDS)} or {_FORM}"
+        )
+    return REWARDS[reward]
+
+
+def load_function(spec: str, field: str) -> Callable:
+    """``"module:function"`` -> the callable; an :class:`InputError` naming ``field`` if not."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise InputError(f"{field}: {spec!r} is not of the form {_FORM}")
+    try:
+        module = _import(module_name)
+    except Exception as e:  # a missing module, or one that fails while importing
+        raise InputError(f"{field}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
+    function = getattr(module, attr, None)
+    if function is None:
+        raise InputError(f"{field}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(function):
+        raise InputError(f"{field}: {spec!r} is not callable (a {type(function).__name__})")
+    return function
+
+
+def _import(module_name: str) -> object:
+    """Import from ``sys.path``, then the working directory: the ``furlong`` console script
+    does not put it on ``sys.path`` the way ``python -m`` does."""
+    importlib.invalidate_caches()  # the file may have been written moments ago
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+@dataclass(frozen=True)
+class PluginReward:
+    """A user's verifier; a result that is not a finite number fails loudly and names the
+    problem, rather than poisoning the advantages with NaN or a None."""
+
+    spec: str
+    function: Callable[[str, Problem], float]
+
+    def __call__(self, response: str, problem: Problem) -> float:
+        value = self.function(response, problem)
+        if isinstance(value, numbers.Real) and math.isfinite(value):
+            return float(value)
+        raise InputError(
+            f"task.reward: {self.spec} returned {value!r} for prompt {problem.prompt!r}; "
+            "expected a finite float"
+        )
+
+
+def _plugin_problems(spec: str, path: str, max_a: int, max_b: int) -> tuple[list, list]:
+    made = load_function(spec, "task.name")(path=path, max_a=max_a, max_b=max_b)
+    if not _is_split(made):
+        raise InputError(
+            f"task.name: {spec} must return (train, eval): two non-empty lists of Problem, "
+            f"got {type(made).__name__}"
+        )
+    train, held = made
+    return list(train), list(held)  # copies: build_task shuffles the held-out list
+
+
+def _is_split(made: object) -> bool:
+    return (
+        isinstance(made, tuple | list)
+        and len(made) == 2
+        and all(isinstance(s, list) and s and all(isinstance(p, Problem) for p in s) for s in made)
+    )

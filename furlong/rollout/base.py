@@ -1,13 +1,15 @@
 """The rollout engine interface: what the RL loop, the session server and the HTTP front end
 need from an engine, whether it runs in process (:class:`EmbeddedEngine`) or behind SGLang's
-HTTP protocol (:class:`SGLangClient`)."""
+HTTP protocol (:class:`SGLangClient`, one server or several)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal, Protocol, get_args
+from typing import Any, Literal, Protocol, get_args
+from urllib.parse import urlsplit
 
 import torch
 
@@ -45,8 +47,30 @@ class GenerateResult:
 Weights = Mapping[str, torch.Tensor] | str | os.PathLike
 
 
+class Router(Protocol):
+    """The engine's view of its model's MoE routing (what routing replay needs to know)."""
+
+    @property
+    def is_moe(self) -> bool: ...
+
+
 class RolloutEngine(Protocol):
-    """Generation with sampling log-probs, weight publication, pausing and memory hand-off."""
+    """Generation with sampling log-probs, weight publication, pausing and memory hand-off.
+
+    The RL loop uses ``generate`` and the weight / pause / memory calls; the session server
+    also uses ``submit`` (one request at a time, its own request id, so a closed session can
+    abort its turn), ``tokenizer``, ``router`` and ``context_length``."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def router(self) -> Router: ...
+
+    @property
+    def context_length(self) -> int | None:
+        """Prompt + ``max_tokens`` must fit in this many tokens (None: not known here)."""
+        ...
 
     @property
     def weight_version(self) -> int: ...
@@ -55,6 +79,12 @@ class RolloutEngine(Protocol):
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[GenerateResult]:
         """Results in request order; blocks until every request has finished."""
+        ...
+
+    def submit(
+        self, prompt: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> Future[GenerateResult]:
+        """Queue one request; a bad request raises here, before anything is queued."""
         ...
 
     def update_weights(self, weights: Weights, version: int | None = None) -> int:
@@ -86,6 +116,22 @@ def check_tags(tags: Iterable[str]) -> list[MemoryTag]:
         if tag not in MEMORY_TAGS:
             raise InputError(f"tags[{i}]: {tag!r} is not one of {list(MEMORY_TAGS)}")
     return list(dict.fromkeys(tags))  # type: ignore[arg-type]
+
+
+def check_url(url: Any, field: str) -> str:
+    """An ``http(s)://host[:port]`` base URL without a trailing slash, or an InputError."""
+    if not isinstance(url, str):
+        raise InputError(f"{field}: expected a URL string, got {url!r}")
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InputError(f"{field}: {url!r} is not an http(s)://host:port URL")
+    try:
+        parts.port  # noqa: B018 - raises on a non-numeric or out-of-range port
+    except ValueError as e:
+        raise InputError(f"{field}: {url!r} has a bad port ({e})") from e
+    if parts.query or parts.fragment:
+        raise InputError(f"{field}: {url!r} has a query or fragment; give the base URL")
+    return url.strip().rstrip("/")
 
 
 def expand_params(

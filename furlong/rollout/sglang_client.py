@@ -1,11 +1,14 @@
-"""A :class:`~furlong.rollout.base.RolloutEngine` over SGLang's HTTP protocol.
+"""A :class:`~furlong.rollout.base.RolloutEngine` over SGLang's HTTP protocol, on one server or
+a fleet of them.
 
-Points at ``furlong rollout-server`` or at a real SGLang server (``python -m
+Points at ``furlong rollout-server`` or at real SGLang servers (``python -m
 sglang.launch_server ... --enable-return-routed-experts --enable-memory-saver``); switching is
-a base-URL change. Each prompt is its own ``/generate`` call, sent concurrently so the server
-batches them continuously. ``update_weights`` takes a safetensors file or an HF directory the
-server can read (``/update_weights_from_disk``), or a state dict: written to ``staging_dir``
-(a filesystem shared with the server; works with SGLang) or, without one, sent in buckets of
+a URL change. Each prompt is its own ``/generate`` call, sent concurrently so the servers
+batch them continuously; with several URLs each request goes to the server with the fewest
+requests in flight (ties in turn), and weights, pausing and memory calls go to every server.
+``update_weights`` takes a safetensors file or an HF directory the servers can read
+(``/update_weights_from_disk``), or a state dict: written to ``staging_dir`` (a filesystem
+shared with the servers; works with SGLang) or, without one, sent in buckets of
 ``bucket_bytes`` over HTTP (furlong's server only).
 """
 
@@ -13,10 +16,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from safetensors.torch import save, save_file
@@ -30,32 +35,67 @@ from furlong.rollout.base import (
     Weights,
     check_pause_mode,
     check_tags,
+    check_url,
     expand_params,
 )
 from furlong.rollout.sampling import SamplingParams
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RemoteRouter:
+    """The served model's MoE routing as the client knows it: ``shape`` = (router layers,
+    top_k) of the routed-expert rows, None for a dense model."""
+
+    shape: tuple[int, int] | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.shape is not None
 
 
 class SGLangClient:
     def __init__(
         self,
-        base_url: str,
+        urls: str | Sequence[str],
         *,
+        tokenizer: Any = None,
+        context_length: int | None = None,
         timeout: float = 600.0,
         max_concurrency: int = 64,
         routed_experts_shape: tuple[int, int] | None = None,
         staging_dir: str | os.PathLike | None = None,
         bucket_bytes: int = 64 << 20,
     ):
-        self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
-        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-client")
-        self._routing_shape = routed_experts_shape
+        """``urls``: one base URL or several (servers of the same model). ``tokenizer`` and
+        ``context_length`` are the served model's, for the session server (the HTTP protocol
+        does not carry them). ``routed_experts_shape``: (layers, top_k) of an MoE model; None
+        asks furlong's server, and a server that does not say is taken as dense.
+        ``max_concurrency``: requests in flight per server."""
+        listed = [urls] if isinstance(urls, str) else list(urls)
+        if not listed:
+            raise InputError("urls: empty; expected at least one server URL")
+        self.urls = [check_url(u, f"urls[{i}]") for i, u in enumerate(listed)]
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self._servers = [httpx.Client(base_url=u, timeout=timeout) for u in self.urls]
+        self._pool = ThreadPoolExecutor(
+            max_concurrency * len(self.urls), thread_name_prefix="sglang-client"
+        )
+        shape = routed_experts_shape
+        self._router = None if shape is None else RemoteRouter((int(shape[0]), int(shape[1])))
         self._staging = Path(staging_dir) if staging_dir else None
         self._bucket_bytes = bucket_bytes
+        self._lock = threading.Lock()  # guards the placement state below
+        self._in_flight = [0] * len(self.urls)
+        self._turn = 0  # the next server to win a tie
+        self._placed: dict[str, int] = {}  # request id -> its server, while in flight
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
-        self._http.close()
+        for server in self._servers:
+            server.close()
 
     def __enter__(self) -> SGLangClient:
         return self
@@ -63,131 +103,232 @@ class SGLangClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # ---------------------------------------------------------------- the served model
+
+    def model_info(self, server: int = 0) -> dict[str, Any]:
+        """``/get_model_info`` of one server (furlong's adds a ``furlong`` block)."""
+        return self._get(server, "/get_model_info")
+
+    @property
+    def router(self) -> RemoteRouter:
+        if self._router is None:  # asked once: every server serves the same model
+            shape = (self.model_info().get("furlong") or {}).get("routed_experts_shape")
+            self._router = RemoteRouter((int(shape[0]), int(shape[1])) if shape else None)
+        return self._router
+
     # ---------------------------------------------------------------- generation
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[GenerateResult]:
         plist = expand_params(len(prompts), params)
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise InputError(f"prompts[{i}]: empty")
-        shape = self._routing() if any(p.return_routed_experts for p in plist) else None
-        jobs = [
-            self._pool.submit(self._generate_one, i, [int(t) for t in prompt], p, shape)
-            for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True))
-        ]
+        # every request is checked before any is sent
+        checked = [self._check_request(i, prompts[i], plist[i]) for i in range(len(plist))]
+        jobs = [self._send(i, checked[i], plist[i], None) for i in range(len(plist))]
         return [job.result() for job in jobs]
 
-    def _generate_one(
-        self, index: int, prompt: list[int], params: SamplingParams, shape
-    ) -> GenerateResult:
-        body = self._post("/generate", wire.request_body(prompt, params), where=f"prompts[{index}]")
-        return wire.generate_result(body, prompt, params, shape)
+    def submit(
+        self, prompt: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> Future[GenerateResult]:
+        """One request, checked here (a bad one raises before anything is sent); with a
+        ``request_id``, :meth:`abort` reaches it on its server."""
+        return self._send(0, self._check_request(0, prompt, params), params, request_id)
 
-    def _routing(self) -> tuple[int, int]:
-        if self._routing_shape is None:
-            info = self._get("/get_model_info").get("furlong") or {}
-            shape = info.get("routed_experts_shape")
-            if not shape:
-                raise InputError(
-                    "return_routed_experts: the server reports no MoE routing shape; pass "
-                    "routed_experts_shape=(layers, top_k) to SGLangClient"
-                )
-            self._routing_shape = (int(shape[0]), int(shape[1]))
-        return self._routing_shape
+    def _check_request(self, index: int, prompt: Sequence[int], params: SamplingParams) -> list:
+        """What can be checked without the server; the server checks the rest (400)."""
+        if not isinstance(params, SamplingParams):
+            raise InputError(f"params[{index}]: expected SamplingParams, got {type(params)}")
+        if not prompt:
+            raise InputError(f"prompts[{index}]: empty")
+        if params.return_routed_experts and not self.router.is_moe:
+            raise InputError(
+                f"params[{index}].return_routed_experts: the server reports no MoE routing "
+                "shape; pass routed_experts_shape=(layers, top_k) to SGLangClient"
+            )
+        context = self.context_length
+        if context is not None and len(prompt) + params.max_tokens > context:
+            raise InputError(
+                f"params[{index}].max_tokens: {len(prompt)} prompt tokens + max_tokens "
+                f"{params.max_tokens} exceed the model's context of {context}"
+            )
+        return [int(t) for t in prompt]
+
+    def _send(
+        self, index: int, prompt: list[int], params: SamplingParams, request_id: str | None
+    ) -> Future[GenerateResult]:
+        server = self._place(request_id)
+        try:
+            job = self._pool.submit(self._generate_one, server, index, prompt, params, request_id)
+        except BaseException:
+            self._release(server, request_id)
+            raise
+        job.add_done_callback(lambda _: self._release(server, request_id))
+        return job
+
+    def _generate_one(
+        self,
+        server: int,
+        index: int,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+    ) -> GenerateResult:
+        body = wire.request_body(prompt, params, request_id)
+        reply = self._post(server, "/generate", body, where=f"prompts[{index}]")
+        shape = self.router.shape if params.return_routed_experts else None
+        return wire.generate_result(reply, prompt, params, shape)
+
+    def _place(self, request_id: str | None) -> int:
+        """The server with the fewest requests in flight; ties go round in turn."""
+        n = len(self._servers)
+        with self._lock:
+            server = min(range(n), key=lambda j: (self._in_flight[j], (j - self._turn) % n))
+            self._turn = (server + 1) % n
+            self._in_flight[server] += 1
+            if request_id is not None:
+                self._placed[str(request_id)] = server
+        return server
+
+    def _release(self, server: int, request_id: str | None) -> None:
+        with self._lock:
+            self._in_flight[server] -= 1
+            if request_id is not None and self._placed.get(str(request_id)) == server:
+                del self._placed[str(request_id)]
 
     # ---------------------------------------------------------------- weights
 
     @property
     def weight_version(self) -> int:
-        return wire.parse_version(self._get("/get_weight_version")["weight_version"]) or 0
+        """The lowest version across the servers (they agree after every publication)."""
+        versions = self._on_all(self._version_of)
+        return min(versions)
+
+    def _version_of(self, server: int) -> int:
+        raw = self._get(server, "/get_weight_version")["weight_version"]
+        return wire.parse_version(raw) or 0
 
     def update_weights(self, weights: Weights, version: int | None = None) -> int:
+        """Publish to every server; returns the version they all report."""
         if isinstance(weights, Mapping):
             return self._update_from_tensors(weights, version)
         body: dict[str, Any] = {"model_path": str(Path(weights).resolve())}
         if version is not None:
             body["weight_version"] = str(version)
-        self._post("/update_weights_from_disk", body, where="update_weights")
-        return self.weight_version
+        self._on_all(lambda i: self._post(i, "/update_weights_from_disk", body, "update_weights"))
+        return self._agreed(self._on_all(self._version_of))
 
     def _update_from_tensors(self, weights: Mapping[str, Any], version: int | None) -> int:
         if self._staging is None:
             return self._update_in_buckets(weights, version)
         self._staging.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self._staging) as tmp:
-            path = Path(tmp) / "model.safetensors"
-            save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(path))
-            return self.update_weights(path, version)
+            # written once, read by every server; SGLang's loader takes a directory
+            tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
+            save_file(tensors, str(Path(tmp) / "model.safetensors"))
+            return self.update_weights(tmp, version)
 
     def _update_in_buckets(self, weights: Mapping[str, Any], version: int | None) -> int:
-        buckets: list[dict[str, Any]] = [{}]
-        size = 0
-        for name, tensor in weights.items():
-            nbytes = tensor.numel() * tensor.element_size()
-            if buckets[-1] and size + nbytes > self._bucket_bytes:
-                buckets.append({})
-                size = 0
-            buckets[-1][name] = tensor.detach().contiguous().cpu()
-            size += nbytes
-        new = self.weight_version
+        """Each bucket is serialized once and sent to every server before the next."""
+        buckets = list(_buckets(weights, self._bucket_bytes))
+        versions: list[int] = []
         for i, bucket in enumerate(buckets):
-            params: dict[str, Any] = {"final": str(i == len(buckets) - 1).lower()}
+            blob = save(bucket)
+            query: dict[str, Any] = {"final": str(i == len(buckets) - 1).lower()}
             if version is not None:
-                params["weight_version"] = version
-            response = self._http.post(
-                "/furlong/update_weights_bucket", content=save(bucket), params=params
-            )
-            new = int(self._check(response, "update_weights")["weight_version"])
-        return new
+                query["weight_version"] = version
+
+            def push(server: int, blob: bytes = blob, query: dict = query) -> int:
+                path = "/furlong/update_weights_bucket"
+                response = self._servers[server].post(path, content=blob, params=query)
+                return int(self._check(response, "update_weights")["weight_version"])
+
+            versions = self._on_all(push)
+        return self._agreed(versions)
+
+    def _agreed(self, versions: list[int]) -> int:
+        if len(set(versions)) > 1:  # a partial publication: the fleet must not sample on
+            seen = dict(zip(self.urls, versions, strict=True))
+            raise RuntimeError(f"update_weights: the servers disagree on the version: {seen}")
+        return versions[0]
 
     # ---------------------------------------------------------------- control
 
     def abort(self, request_ids: Iterable[int | str] | None = None) -> int:
+        """Abort by id on the server the request went to (every server when unknown)."""
         if request_ids is None:
-            self._post("/abort_request", {"abort_all": True}, where="abort")
-            return -1  # the server does not say how many
-        ids = list(request_ids)
+            self._on_all(lambda i: self._post(i, "/abort_request", {"abort_all": True}, "abort"))
+            return -1  # the servers do not say how many
+        ids = [str(rid) for rid in request_ids]
         for rid in ids:
-            self._post("/abort_request", {"rid": str(rid)}, where="abort")
+            with self._lock:
+                known = self._placed.get(rid)
+            for server in range(len(self._servers)) if known is None else [known]:
+                self._post(server, "/abort_request", {"rid": rid}, "abort")
         return len(ids)
 
     def pause(self, mode: PauseMode = "retract") -> None:
-        self._post("/pause_generation", {"mode": check_pause_mode(mode)}, where="pause")
+        body = {"mode": check_pause_mode(mode)}
+        self._on_all(lambda i: self._post(i, "/pause_generation", body, "pause"))
 
     def resume(self) -> None:
-        self._post("/continue_generation", {}, where="resume")
+        self._on_all(lambda i: self._post(i, "/continue_generation", {}, "resume"))
 
     def offload(self, tags: Iterable[MemoryTag]) -> None:
-        self._post("/release_memory_occupation", {"tags": check_tags(tags)}, where="offload")
+        body = {"tags": check_tags(tags)}
+        self._on_all(lambda i: self._post(i, "/release_memory_occupation", body, "offload"))
 
     def onload(self, tags: Iterable[MemoryTag]) -> None:
-        self._post("/resume_memory_occupation", {"tags": check_tags(tags)}, where="onload")
+        body = {"tags": check_tags(tags)}
+        self._on_all(lambda i: self._post(i, "/resume_memory_occupation", body, "onload"))
 
     def health(self) -> bool:
+        """Every server answers ``/health``."""
         try:
-            return self._http.get("/health").status_code == 200
+            return all(s.get("/health").status_code == 200 for s in self._servers)
         except httpx.HTTPError:
             return False
 
     # ---------------------------------------------------------------- transport
 
-    def _get(self, path: str) -> Any:
-        response = self._http.get(path)
+    def _on_all(self, call: Callable[[int], T]) -> list[T]:
+        """``call(server)`` for every server at once (not on the request pool: a pause must
+        not queue behind the generation it pauses); the first error is raised."""
+        n = len(self._servers)
+        if n == 1:
+            return [call(0)]
+        with ThreadPoolExecutor(n, thread_name_prefix="sglang-fleet") as fleet:
+            return list(fleet.map(call, range(n)))
+
+    def _get(self, server: int, path: str) -> Any:
+        response = self._servers[server].get(path)
         response.raise_for_status()
         return response.json()
 
-    def _post(self, path: str, body: dict, where: str) -> Any:
-        return self._check(self._http.post(path, json=body), where)
+    def _post(self, server: int, path: str, body: dict, where: str) -> Any:
+        return self._check(self._servers[server].post(path, json=body), where)
 
     def _check(self, response: httpx.Response, where: str) -> Any:
-        path = response.request.url.path
+        url = response.request.url
         if response.status_code == 400:  # the server names the bad field
             raise InputError(f"{where}: {_message(response)}")
         if response.status_code != 200:
-            raise RuntimeError(f"{where}: {path} returned {response.status_code}: {response.text}")
+            raise RuntimeError(f"{where}: {url} returned {response.status_code}: {response.text}")
         return response.json() if response.content else None
+
+
+def _buckets(weights: Mapping[str, Any], limit: int) -> Iterator[dict[str, Any]]:
+    """Whole tensors in groups of at most ``limit`` bytes (a larger tensor goes alone); at
+    least one group, so the final bucket always moves the version."""
+    bucket: dict[str, Any] = {}
+    size = 0
+    for name, tensor in weights.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = tensor.detach().contiguous().cpu()
+        size += nbytes
+    yield bucket
 
 
 def _message(response: httpx.Response) -> str:

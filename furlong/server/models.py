@@ -30,10 +30,10 @@ from peft import PeftModel
 
 from furlong.errors import InputError
 from furlong.models.loading import atomic_dir, load_model, publish_dir
-from furlong.server import lora as peft_lora
-from furlong.server.lora import LoraSpec
+from furlong.train import lora as peft_lora
 from furlong.train.engine import EngineConfig, TrainingEngine
 from furlong.train.group import TrainerGroup
+from furlong.train.lora import LoraSpec
 from furlong.train.turns import around_turns
 from furlong.types import AdamParams, Datum, ForwardResult
 

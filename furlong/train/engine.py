@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,8 +101,13 @@ class TrainingEngine:
         tokenizer: Any = None,
         config: EngineConfig | None = None,
         trainable: Sequence[tuple[str, torch.nn.Parameter]] | None = None,
+        merged: Callable[[], torch.nn.Module] | None = None,
     ):
+        """``trainable``: a subset of the model's parameters (e.g. a LoRA adapter's) by name;
+        ``merged``: for an adapter, a plain model with it merged (what rollout engines and HF
+        exports get instead of the adapter)."""
         self.config = config or EngineConfig()
+        self._merged = merged
         self.model = model.to(self.config.device)
         self.tokenizer = tokenizer
         if getattr(model.config, "final_logit_softcapping", None):
@@ -404,11 +409,21 @@ class TrainingEngine:
         self.step = int(meta["step"]) if optimizer else 0
 
     def export_hf(self, path: str | os.PathLike) -> Path:
-        """A normal HF directory that ``AutoModelForCausalLM.from_pretrained`` loads."""
+        """A normal HF directory that ``AutoModelForCausalLM.from_pretrained`` loads (an
+        adapter merged into its base)."""
         self._check_awake("export_hf")
         if self.tokenizer is None:
             raise InputError("export_hf: the engine has no tokenizer to export")
-        return save_hf_dir(self.model, self.tokenizer, path)
+        model = self.model if self._merged is None else self._merged()
+        return save_hf_dir(model, self.tokenizer, path)
+
+    def rollout_weights(self) -> dict[str, torch.Tensor]:
+        """What a rollout engine needs to sample like this trainer: the trainable weights by
+        name, or every weight of the merged model for an adapter."""
+        self._check_awake("rollout_weights")
+        if self._merged is not None:
+            return self._merged().state_dict()
+        return {n: p.detach() for n, p in zip(self.param_names, self.params, strict=True)}
 
     # ---------------------------------------------------------------- colocation
 

@@ -143,3 +143,15 @@ def test_to_toml_round_trips(tmp_path) -> None:
 def test_cuda_without_a_gpu_is_refused() -> None:
     with pytest.raises(InputError, match="model.device: 'cuda', but torch sees no CUDA device"):
         load_config(None, ["model.device=cuda"])
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("colocate.memory_peak_device=tpu", r"colocate\.memory_peak_device: 'tpu' is not one of"),
+        ('colocate.offload_rollout_level=["weights"]', r"colocate\.offload_rollout_level: unknown"),
+    ],
+)
+def test_colocation_values_are_checked_while_it_is_off(override: str, match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        load_config(None, [override])  # colocate.enabled stays false

@@ -3,6 +3,7 @@ round trips keep dtypes, and the decoder is strict."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,16 @@ import torch
 from safetensors.torch import load, save
 
 from furlong.errors import InputError
-from furlong.rollout.codec import DEFAULT_FIELDS, decode_samples, encode_samples
+from furlong.rollout.base import GenerateResult
+from furlong.rollout.codec import (
+    DEFAULT_FIELDS,
+    decode_results,
+    decode_samples,
+    encode_results,
+    encode_samples,
+    opt_in,
+    payload_fields,
+)
 from furlong.rollout.sample import Sample, append_forced, append_sampled
 from furlong.rollout.sampling_mask import SamplingMask
 
@@ -133,3 +143,77 @@ def test_corrupted_payloads_raise_value_error_only() -> None:
         except ValueError:
             outcomes["rejected"] += 1
     assert outcomes["rejected"] > 100  # the fuzzer really hit the parser
+
+
+# ---------------------------------------------------------------- transports
+
+
+def moe_sample() -> Sample:
+    """A masked sample with hand-made nonzero routed-expert rows."""
+    s = samples()[0]
+    rows = torch.arange(1, (s.tokens.numel() - 1) * 4 + 1, dtype=torch.int32).view(-1, 2, 2)
+    return s.replace(routed_experts=rows)
+
+
+def test_allowlists_have_one_order_and_senders_keep_what_they_carry() -> None:
+    both = opt_in("routed_experts", "sampling_mask", "routed_experts")
+    assert both == (*DEFAULT_FIELDS, "sampling_mask", "routed_experts")
+    assert opt_in() == DEFAULT_FIELDS
+    assert payload_fields(samples(with_masks=False), DEFAULT_FIELDS) == DEFAULT_FIELDS
+    assert payload_fields(samples(), DEFAULT_FIELDS) == MASKED  # carried, so it travels
+    assert payload_fields(samples(with_masks=False), both) == both  # asked: null markers
+
+
+def test_a_receiver_that_did_not_opt_in_is_told_the_field() -> None:
+    s = moe_sample()
+    payload = encode_samples([s], payload_fields([s], DEFAULT_FIELDS))
+    with pytest.raises(InputError, match=r"\['sampling_mask', 'routed_experts'\] the receiver"):
+        decode_samples(payload)
+    with pytest.raises(InputError, match=r"lacks \['routed_experts'\] it asked for"):
+        decode_samples(encode_samples([s], MASKED), opt_in("sampling_mask", "routed_experts"))
+
+
+def results(with_optional: bool) -> list[GenerateResult]:
+    out = []
+    for k, s in enumerate(samples(with_masks=with_optional)):
+        rows = torch.full((s.tokens.numel() - 1, 2, 3), 5 + k, dtype=torch.int32)
+        out.append(
+            GenerateResult(
+                request_id=f"r{k}" if k else 7,
+                prompt_ids=s.tokens[: s.prompt_length].tolist(),
+                output_ids=s.response.tolist(),
+                output_logprobs=s.rollout_logprobs.tolist(),
+                finish_reason=("stop", "length", "abort")[k],
+                sampling_mask=s.sampling_mask,
+                weight_version=3,
+                routed_experts=rows if with_optional else None,
+            )
+        )
+    return out
+
+
+def test_results_payload_default_bytes_and_opt_in_round_trip() -> None:
+    plain, rich = results(False), results(True)
+    default = encode_results(plain, payload_fields(plain, DEFAULT_FIELDS))
+    assert default == encode_results(rich, DEFAULT_FIELDS)  # the features add no byte
+    assert b"sampling_mask" not in default and b"routed_experts" not in default
+    assert decode_results(default) == plain
+    both = payload_fields(rich, DEFAULT_FIELDS)
+    back = decode_results(encode_results(rich, both), both)
+    for a, b in zip(rich, back, strict=True):  # every field, masks and routes exactly
+        assert torch.equal(a.routed_experts, b.routed_experts)
+        assert dataclasses.replace(a, routed_experts=None) == dataclasses.replace(
+            b, routed_experts=None
+        )
+    with pytest.raises(InputError, match=r"\['sampling_mask', 'routed_experts'\] the receiver"):
+        decode_results(encode_results(rich, both))
+    with pytest.raises(InputError, match="not a generation results payload"):
+        decode_results(encode_samples(samples()))
+
+
+def test_results_the_codec_cannot_hold_are_refused() -> None:
+    r = results(True)[1]
+    with pytest.raises(InputError, match=r"results\[0\].top_logprobs"):
+        encode_results([dataclasses.replace(r, top_logprobs=[[(1, -0.1)]] * 2)])
+    with pytest.raises(InputError, match=r"results\[0\].routed_experts_start"):
+        encode_results([dataclasses.replace(r, routed_experts_start=2)], opt_in("routed_experts"))

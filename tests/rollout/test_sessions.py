@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 
+from furlong.rollout.codec import opt_in
 from furlong.rollout.sessions.wire import sample_from_json
 
 from .session_helpers import chat, info, open_session, perturbed, serve, turn
@@ -59,8 +60,9 @@ def test_tool_tokens_get_singleton_supports() -> None:
         sid = open_session(client, return_sampling_mask=True)
         first = turn(client, sid, USER, seed=1, top_p=0.9)
         turn(client, sid, [*USER, first, {"role": "tool", "content": "5"}], seed=2, top_p=0.9)
-        body = client.post(f"/sessions/{sid}/samples", json={"reward": 0.5}).json()["samples"][0]
-        sample = sample_from_json(body)
+        url = f"/sessions/{sid}/samples?fields=sampling_mask"
+        body = client.post(url, json={"reward": 0.5}).json()["samples"][0]
+        sample = sample_from_json(body, opt_in("sampling_mask"))
         assert sample.reward == 0.5
         response = sample.response.tolist()
         rows = sample.sampling_mask.to_lists()

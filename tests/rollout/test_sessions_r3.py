@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from furlong.errors import InputError
+from furlong.rollout.codec import opt_in
+from furlong.rollout.sample import Sample
 from furlong.rollout.sessions import (
     AssemblyError,
     SessionServerConfig,
@@ -26,6 +28,12 @@ from .session_helpers import checkpoint_len, info, open_session, serve, turn
 pytestmark = pytest.mark.usefixtures("one_thread")
 MOE = "tiny-qwen3-moe"
 USER = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+def routed_sample(client, sid: str, **body: int) -> Sample:
+    """The session's sample over ``/samples``, opted in to the routed-expert rows."""
+    response = client.post(f"/sessions/{sid}/samples?fields=routed_experts", json=body)
+    return sample_from_json(response.json()["samples"][0], opt_in("routed_experts"))
 
 
 def record(start: int | None, end: int, rows: int | None, name: str = "r") -> TurnRecord:
@@ -169,8 +177,7 @@ def test_offsets_across_turns_rollback_and_retry() -> None:
         )
 
         # the assembled rows: len(tokens) - 1, each patch the matching slice of a full pass
-        body = client.post(f"/sessions/{sid}/samples").json()["samples"][0]
-        sample = sample_from_json(body)
+        sample = routed_sample(client, sid)
         n = sample.tokens.numel()
         assert sample.routed_experts.shape[0] == n - 1 == checkpoint_len(records[1]) - 1
         oracle = full_rows(spy.engine, sample.tokens.tolist())
@@ -206,7 +213,7 @@ def test_full_rows_or_none_without_an_offset(mode: str) -> None:
         assert [r["start_len"] for r in records] == [None, None]
         if mode == "retract":  # every turn returned rows from position 0
             assert [r["routed_rows"] for r in records] == [r["end"] for r in records]
-        sample = sample_from_json(client.post(f"/sessions/{sid}/samples").json()["samples"][0])
+        sample = routed_sample(client, sid)
         rows = sample.routed_experts
         assert (rows is None) == (mode == "replay-off")
         if rows is not None:
@@ -219,9 +226,9 @@ def test_truncation_cuts_rows() -> None:
         first = turn(client, sid, USER, seed=1)
         turn(client, sid, [*USER, first, {"role": "tool", "content": "5"}], seed=2)
         url = f"/sessions/{sid}/samples"
-        full = sample_from_json(client.post(url).json()["samples"][0])
+        full = routed_sample(client, sid)
         n = full.tokens.numel()
-        cut = sample_from_json(client.post(url, json={"max_length": n - 3}).json()["samples"][0])
+        cut = routed_sample(client, sid, max_length=n - 3)
         assert cut.tokens.numel() == n - 3 and cut.response_length == full.response_length - 3
         assert torch.equal(cut.routed_experts, full.routed_experts[: n - 4])
         assert torch.equal(cut.loss_mask, full.loss_mask[:-3])

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from furlong.models.moe import find_routers
+from furlong.rollout.codec import opt_in
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sessions.wire import sample_from_json
 from furlong.train.engine import TrainingEngine
@@ -59,8 +60,8 @@ def test_trainer_logprobs_equal_the_engines_with_replay_only(mode: str) -> None:
             messages.append(turn(client, sid, messages, seed=i, max_tokens=10))
             if follow_up is not None:
                 messages.append(follow_up)
-        body = client.post(f"/sessions/{sid}/samples").json()["samples"][0]
-    sample = sample_from_json(body)
+        body = client.post(f"/sessions/{sid}/samples?fields=routed_experts").json()
+    sample = sample_from_json(body["samples"][0], opt_in("routed_experts"))
     tokens = sample.tokens
     assert sample.routed_experts.shape[0] == tokens.numel() - 1
     assert int((sample.loss_mask == 0).sum()) > 0 and int(sample.loss_mask.sum()) >= 3

@@ -5,7 +5,9 @@
     GET    /sessions/{id}                      the checkpoint tokens and the turn records
     POST   /sessions/{id}/v1/chat/completions  one turn (OpenAI request and response shape)
     GET    /sessions/{id}/v1/models            the served model (OpenAI clients ask for it)
-    POST   /sessions/{id}/samples              the trajectory as training samples (JSON)
+    POST   /sessions/{id}/samples              the trajectory as training samples: the codec's
+                                               payload (Accept: application/x-furlong-samples)
+                                               or JSON; ?fields= opts in to optional fields
     DELETE /sessions/{id}                      close (a turn in flight is aborted)
     POST   /weights                            publish weights from a safetensors file or HF
                                                directory, under the configured pause mode
@@ -25,12 +27,13 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from furlong.errors import InputError
+from furlong.rollout.codec import MEDIA_TYPE, encode_samples, payload_fields
 from furlong.rollout.sessions.r3 import AssemblyError
 from furlong.rollout.sessions.service import (
     SessionNotFound,
@@ -38,7 +41,7 @@ from furlong.rollout.sessions.service import (
     TooManySessions,
     TurnAborted,
 )
-from furlong.rollout.sessions.wire import sample_to_json
+from furlong.rollout.sessions.wire import parse_fields, sample_to_json, wants_codec
 from furlong.serving import read_json_object
 
 # Bodies past this are refused (413) as they arrive; a conversation that fills a 128k-token
@@ -120,10 +123,14 @@ def create_app(server: SessionServer, max_body_bytes: int = MAX_BODY_BYTES) -> F
         return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "furlong"}]}
 
     @app.post("/sessions/{session_id}/samples")
-    async def samples(session_id: str, request: Request) -> dict:
+    async def samples(session_id: str, request: Request) -> Response:
+        wanted = parse_fields(request.query_params.get("fields", ""))
         body = await read_json_object(request, required=False, allowed=("reward", "max_length"))
         sample = server.sample(session_id, body.get("reward"), body.get("max_length"))
-        return {"samples": [sample_to_json(sample)]}
+        fields = payload_fields([sample], wanted)  # what was asked, and all the sample carries
+        if wants_codec(request.headers.get("accept", "")):
+            return Response(encode_samples([sample], fields), media_type=MEDIA_TYPE)
+        return JSONResponse({"samples": [sample_to_json(sample, fields)]})
 
     @app.post("/weights")
     async def publish(request: Request) -> dict:

@@ -13,10 +13,10 @@ import logging
 import math
 import uuid
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
 from furlong.errors import InputError
-from furlong.rollout.base import GenerateResult, Weights
+from furlong.rollout.base import GenerateResult, RolloutEngine, Weights
 from furlong.rollout.sample import Sample, truncate_response
 from furlong.rollout.sampling import SamplingParams, fit_max_tokens
 from furlong.rollout.sessions.chat import ChatRequest, Message, completion_body, parse_chat_request
@@ -47,32 +47,19 @@ class TooManySessions(RuntimeError):
     """HTTP 429."""
 
 
-class SessionEngine(Protocol):
-    """What the session server needs from a rollout engine (``EmbeddedEngine`` has it)."""
-
-    tokenizer: Any
-    router: Any  # .is_moe: the model has top-k routers
-    model: Any  # .config.max_position_embeddings: the context a turn must fit
-
-    def submit(
-        self, prompt: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> Future[GenerateResult]: ...
-
-    def abort(self, request_ids: Any = None) -> int: ...
-
-    def pause(self, mode: Any = "retract") -> None: ...
-
-    def resume(self) -> None: ...
-
-    def update_weights(self, weights: Weights, version: int | None = None) -> int: ...
-
-
 class SessionServer:
-    def __init__(self, engine: SessionEngine, config: SessionServerConfig):
+    """Over any :class:`~furlong.rollout.base.RolloutEngine`: the embedded engine, or an
+    ``SGLangClient`` given the served model's tokenizer and context length."""
+
+    def __init__(self, engine: RolloutEngine, config: SessionServerConfig):
         self.engine, self.config = engine, config
         self.tokenizer = engine.tokenizer
+        if self.tokenizer is None:
+            raise InputError("engine.tokenizer: the session server renders chats; give one")
         check_chatml(self.tokenizer)
-        self.context = int(engine.model.config.max_position_embeddings)
+        if engine.context_length is None:
+            raise InputError("engine.context_length: the session server must know the context")
+        self.context = int(engine.context_length)
         self.budget = PromptBudget.of(self.tokenizer, self.context)
         # Derived once from the required pause mode; turns read only this flag.
         self.use_addition_r3 = use_addition_r3(config.pause_mode)

@@ -172,3 +172,13 @@ def merged_copy(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
     merged = model.merge_and_unload()
     merged.requires_grad_(False)
     return merged
+
+
+def merged_model(peft_model: PeftModel) -> torch.nn.Module:
+    """A plain HF model with the active adapter merged (for a rollout engine or an HF export).
+    Merged on a copy: merging in place and unmerging afterwards would leave round-off in the
+    trained weights."""
+    with torch.no_grad():
+        merged = copy.deepcopy(peft_model).merge_and_unload()
+    merged.requires_grad_(False)
+    return merged
