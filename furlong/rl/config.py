@@ -77,7 +77,7 @@ class RolloutConfig:
     temperature: float = 1.0  # the trainer scores at the same temperature
     top_p: float = 1.0  # nucleus sampling; < 1 turns sampling-mask replay on
     top_k: int = 0  # 0: off; top_p < 1 or top_k > 0 turns sampling-mask replay on
-    engine: str = "embedded"  # embedded (in process) | sglang (rollout.urls); Ray: [scale] ray
+    engine: str = "embedded"  # embedded (in process) | sglang (rollout.urls) | ray ([scale] ray)
     urls: list[str] = field(default_factory=list)  # sglang: the servers' base URLs
     staging_dir: str = ""  # sglang: a directory the servers read published weights from
 
@@ -188,8 +188,8 @@ class RLConfig:
             if value < 1:
                 raise InputError(f"{name}: must be >= 1, got {value}")
         self._check_lora()
-        check_choice(self.rollout.engine, self.rollout.urls)
-        if self.rollout.engine != "embedded" and self.scale.enabled:
+        check_choice(self.rollout.engine, self.rollout.urls, self.scale.ray)
+        if self.rollout.engine == "sglang" and self.scale.enabled:
             raise InputError(
                 f"rollout.engine: {self.rollout.engine!r} with [scale]: the scale-out places "
                 "its own engines (use rollout.engine = 'embedded' there)"

@@ -31,19 +31,19 @@ if TYPE_CHECKING:
 ENGINES = ("embedded", "sglang", "ray")
 
 
-def check_choice(kind: Any, urls: Any) -> list[str]:
-    """Validate ``rollout.engine`` / ``rollout.urls`` without contacting anything; returns
-    the normalized URLs. Safe to call from config validation."""
+def check_choice(kind: Any, urls: Any, ray: str | None = None) -> list[str]:
+    """Validate ``rollout.engine`` / ``rollout.urls`` (``ray``: ``scale.ray``) without
+    contacting anything; returns the normalized URLs. Safe to call from config validation."""
     if kind not in ENGINES:
         raise InputError(f"rollout.engine: {kind!r} is not one of {list(ENGINES)}")
-    if kind == "ray":
+    if kind == "ray" and ray is None:
         raise InputError(
-            'rollout.engine: "ray" engines are placed by [scale] ray (with '
-            'scale.rollout_engines); keep rollout.engine = "embedded" and set scale.ray'
+            'rollout.engine: "ray" runs the engines as Ray actors placed by [scale]: set '
+            'scale.ray = "local" (or a cluster address) and scale.rollout_engines'
         )
     if isinstance(urls, str) or not isinstance(urls, Sequence):
         raise InputError(f"rollout.urls: expected a list of URLs, got {urls!r}")
-    if kind == "embedded" and urls:
+    if kind != "sglang" and urls:
         raise InputError('rollout.urls: only used with rollout.engine = "sglang"')
     if kind == "sglang" and not urls:
         raise InputError('rollout.urls: rollout.engine = "sglang" needs at least one server URL')
@@ -71,7 +71,7 @@ def build_rollout(
     weights are published (required by real SGLang; furlong's server also takes HTTP
     buckets). Errors name the config field: ``rollout.engine``, ``rollout.urls[i]``,
     ``rollout.staging_dir``."""
-    checked = check_choice(kind, urls)
+    checked = check_choice(kind, urls)  # "ray" (no scale.ray here) is refused
     if kind == "embedded":
         return EmbeddedEngine(copy.deepcopy(policy), tokenizer, max_running=batch)
     return _fleet(checked, policy, tokenizer, batch, staging_dir, timeout)

@@ -35,12 +35,14 @@ class PrefixPlan:
 def plan_prefixes(input_ids: torch.Tensor, lengths: list[int]) -> PrefixPlan | None:
     """Group the slots of a padded ``[B, T]`` microbatch by their common prefix; None when
     sharing would save less than :data:`MIN_SAVING` of the tokens."""
-    seqs = [input_ids[j, :n] for j, n in enumerate(lengths)]
+    # plain lists: the planning is integer bookkeeping, a tensor op per comparison is slow
+    table = input_ids.tolist()
+    seqs = [row[:n] for row, n in zip(table, lengths, strict=True)]
     groups: dict[tuple[int, ...], list[int]] = {}
     for j, s in enumerate(seqs):
-        groups.setdefault(tuple(s[:1].tolist()), []).append(j)
+        groups.setdefault(tuple(s[:1]), []).append(j)
     # within each first-token bucket, split into groups sharing a longer prefix
-    prefixes: list[torch.Tensor] = []
+    prefixes: list[list[int]] = []
     owner = [0] * len(seqs)
     for members in groups.values():
         for group in _split_by_prefix(seqs, members):
@@ -55,34 +57,33 @@ def plan_prefixes(input_ids: torch.Tensor, lengths: list[int]) -> PrefixPlan | N
     if sum(plen) + sum(suffix_len) > (1 - MIN_SAVING) * sum(lengths) or min(plen) == 0:
         return None
     width_p, width_s = max(plen), max(max(suffix_len), 1)
-    prefix_ids = input_ids.new_zeros((len(prefixes), width_p))
-    prefix_mask = torch.zeros_like(prefix_ids)
-    for g, p in enumerate(prefixes):
-        prefix_ids[g, : len(p)] = p
-        prefix_mask[g, : len(p)] = 1
-    suffix_ids = input_ids.new_zeros((len(seqs), width_s))
-    suffix_mask = torch.zeros_like(suffix_ids)
-    rows = []
+    n_prefix = len(prefixes)
+    prefix_rows = [p + [0] * (width_p - len(p)) for p in prefixes]
+    prefix_mask = [[1] * len(p) + [0] * (width_p - len(p)) for p in prefixes]
+    suffix_rows, suffix_mask, rows = [], [], []
     for j, s in enumerate(seqs):
         g, k = owner[j], plen[owner[j]]
-        suffix_ids[j, : len(s) - k] = s[k:]
-        suffix_mask[j, : len(s) - k] = 1
-        rows.append(torch.arange(k) + g * width_p)
-        rows.append(torch.arange(len(s) - k) + len(prefixes) * width_p + j * width_s)
-    owner_t = torch.tensor(owner, device=input_ids.device)
-    positions = torch.tensor(plen, device=input_ids.device)[owner_t, None]
+        own = s[k:]
+        suffix_rows.append(own + [0] * (width_s - len(own)))
+        suffix_mask.append([1] * len(own) + [0] * (width_s - len(own)))
+        rows += range(g * width_p, g * width_p + k)
+        first = n_prefix * width_p + j * width_s
+        rows += range(first, first + len(own))
+    device, dtype = input_ids.device, input_ids.dtype
+    owner_t = torch.tensor(owner, device=device)
+    positions = torch.tensor(plen, device=device)[owner_t, None]
     return PrefixPlan(
-        prefix_ids=prefix_ids,
-        prefix_mask=prefix_mask,
+        prefix_ids=torch.tensor(prefix_rows, dtype=dtype, device=device),
+        prefix_mask=torch.tensor(prefix_mask, dtype=dtype, device=device),
         owner=owner_t,
-        suffix_ids=suffix_ids,
-        suffix_mask=suffix_mask,
-        suffix_positions=positions + torch.arange(width_s, device=input_ids.device),
-        rows=torch.cat(rows).to(input_ids.device),
+        suffix_ids=torch.tensor(suffix_rows, dtype=dtype, device=device),
+        suffix_mask=torch.tensor(suffix_mask, dtype=dtype, device=device),
+        suffix_positions=positions + torch.arange(width_s, device=device),
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
     )
 
 
-def _split_by_prefix(seqs: list[torch.Tensor], members: list[int]) -> list[list[int]]:
+def _split_by_prefix(seqs: list[list[int]], members: list[int]) -> list[list[int]]:
     """Members that share their first token, split so each group shares a prefix at least
     half as long as its shortest member (a prompt, not a coincidental first token)."""
     groups: list[list[int]] = []
@@ -90,7 +91,7 @@ def _split_by_prefix(seqs: list[torch.Tensor], members: list[int]) -> list[list[
         for group in groups:
             head = seqs[group[0]]
             need = min(len(head), len(seqs[j])) // 2
-            if need and torch.equal(head[:need], seqs[j][:need]):
+            if need and head[:need] == seqs[j][:need]:
                 group.append(j)
                 break
         else:
@@ -98,12 +99,15 @@ def _split_by_prefix(seqs: list[torch.Tensor], members: list[int]) -> list[list[
     return groups
 
 
-def _common_prefix(seqs: list[torch.Tensor], group: list[int], cap: int) -> int:
+def _common_prefix(seqs: list[list[int]], group: list[int], cap: int) -> int:
     head = seqs[group[0]][:cap]
     common = len(head)
     for j in group[1:]:
-        same = (seqs[j][:common] == head[:common]).int().cumprod(0)
-        common = int(same.sum())
+        seq = seqs[j]
+        same = 0
+        while same < common and seq[same] == head[same]:
+            same += 1
+        common = same
     return common
 
 

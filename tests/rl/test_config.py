@@ -155,3 +155,21 @@ def test_cuda_without_a_gpu_is_refused() -> None:
 def test_colocation_values_are_checked_while_it_is_off(override: str, match: str) -> None:
     with pytest.raises(InputError, match=match):
         load_config(None, [override])  # colocate.enabled stays false
+
+
+def test_rollout_engine_choice_is_checked_with_the_scale_group() -> None:
+    with pytest.raises(InputError, match=r'rollout\.engine: "ray" runs the engines as Ray actors'):
+        load_config(None, ["rollout.engine=ray"])
+    config = load_config(None, ["rollout.engine=ray", 'scale.ray="local"'])
+    assert config.rollout.engine == "ray" and config.scale.ray == "local"
+    with pytest.raises(InputError, match=r"rollout\.engine: 'sglang' with \[scale\]"):
+        load_config(
+            None,
+            [
+                "rollout.engine=sglang",
+                'rollout.urls=["http://127.0.0.1:1"]',
+                "scale.trainer_ranks=2",
+            ],
+        )
+    with pytest.raises(InputError, match=r"rollout\.urls: only used with"):
+        load_config(None, ['rollout.urls=["http://127.0.0.1:1"]'])

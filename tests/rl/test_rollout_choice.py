@@ -171,7 +171,7 @@ def test_bad_kinds_and_urls_name_the_field() -> None:
 
     with pytest.raises(InputError, match=r"rollout\.engine: 'vllm' is not one of"):
         build("vllm", [])
-    with pytest.raises(InputError, match=r'rollout\.engine: "ray" engines are placed by \[scale\]'):
+    with pytest.raises(InputError, match=r'rollout\.engine: "ray" runs the engines as Ray actors'):
         build("ray", [])
     with pytest.raises(InputError, match=r"rollout\.urls: .*needs at least one server URL"):
         build("sglang", [])
