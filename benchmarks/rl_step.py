@@ -1,14 +1,20 @@
 """RL step time: furlong's GRPO loop vs TRL's ``GRPOTrainer`` on the same model and workload.
 
-One step = generate 16 prompts x 8 samples (128 completions, at most 6 new tokens, temperature
-1) for the ``reverse`` task's prompts (3 digits, chat template), score them (``bench_spread``:
-a deterministic score that varies between samples, so every step has a real update), GRPO advantages
-(group std scaling, no KL), one forward/backward over the 128 completions and one AdamW step
-(lr 1e-3, grad clip 1.0). Both sides start from the same ``small-qwen3`` HF directory (fp32,
-CPU) and use the same number of intra-op threads. Each measurement runs in a fresh subprocess;
-the first ``--warmup`` steps are dropped. furlong and TRL alternate over ``--rounds`` (the
-order flips each round) and the median of per-round ratios (TRL s / furlong s, each the
-median step time of its round) is reported. Target: >= 1.5x.
+One step = generate 16 prompts x 8 samples (128 completions, at most ``--max-tokens`` new tokens, 6
+by default, temperature 1) for the ``reverse`` task's prompts (3 digits, chat template), score them
+(``bench_spread``: a deterministic score that varies between samples, so every step has a real
+update), GRPO advantages (group std scaling, no KL), one forward/backward over the 128 completions
+and one AdamW step (lr 1e-3, grad clip 1.0). Both sides start from the same ``small-qwen3`` HF
+directory (fp32, CPU) and use the same number of intra-op threads. Each measurement runs in a fresh
+subprocess; the first ``--warmup`` steps are dropped. furlong and TRL alternate over ``--rounds``
+(the order flips each round) and the median of per-round ratios (TRL s / furlong s, each the median
+step time of its round) is reported. Target: >= 1.5x.
+
+``--phases`` adds one more run of each side with timers around the parts of a step
+(generation, reward, reference forward, actor forward, backward, optimizer, publish) and prints
+the median seconds per step of each. On a machine other processes also load, prefer
+``--threads 1``: two intra-op threads on two busy cores spend most of their time waiting for
+each other (a 512x512 matmul ran 5x slower with 2 threads than with 1 under a load of ~4).
 
 TRL is not a furlong dependency; install it for this benchmark only, e.g. in a scratch venv:
 
@@ -73,12 +79,95 @@ RESULT = "RESULT "  # prefix of a worker's one JSON line on stdout
 # ------------------------------------------------------------------ workers (subprocesses)
 
 
-def furlong_worker(model_dir: str, steps: int, out_dir: str) -> dict[str, Any]:
+class PhaseClock:
+    """Seconds per step spent in named parts of a step (``--phases``): each part is a wrapped
+    function; a new step starts at each call of the step's first part."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def new_step(self) -> None:
+        self.steps.append({})
+
+    def wrap(self, owner: Any, name: str, phase: str, starts_step: bool = False) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if starts_step or not self.steps:
+                self.new_step()
+            tick = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                step = self.steps[-1]
+                step[phase] = step.get(phase, 0.0) + time.perf_counter() - tick
+
+        setattr(owner, name, timed)
+
+    def medians(self, rows: list[dict[str, float]]) -> dict[str, float]:
+        names = sorted({k for r in rows for k in r})
+        return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in names}
+
+
+def furlong_phases(clock: PhaseClock) -> None:
+    import torch
+
+    import furlong.rl.loop as loop
+    from furlong.rl.tasks import REWARDS
+    from furlong.rollout.engine import EmbeddedEngine
+    from furlong.train.engine import TrainingEngine
+
+    clock.wrap(loop, "generate_episodes", "total: generate + reward", starts_step=True)
+    clock.wrap(EmbeddedEngine, "generate", "generate")
+    REWARDS[REWARD] = _timed_reward(clock, REWARDS[REWARD])
+    clock.wrap(loop, "_kl_to_reference", "reference forward")
+    clock.wrap(TrainingEngine, "_hidden_rows", "actor forward (trunk)")
+    clock.wrap(TrainingEngine, "_loss", "actor forward (head + loss)")
+    clock.wrap(torch.Tensor, "backward", "actor backward")
+    clock.wrap(TrainingEngine, "forward_backward", "total: actor forward_backward")
+    clock.wrap(TrainingEngine, "optim_step", "optimizer step")
+    clock.wrap(loop, "_publish", "publish weights")
+
+
+def _timed_reward(clock: PhaseClock, fn: Any) -> Any:
+    def reward(*args: Any) -> float:
+        tick = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            if not clock.steps:  # the evaluation before step 1
+                clock.new_step()
+            step = clock.steps[-1]
+            step["reward"] = step.get("reward", 0.0) + time.perf_counter() - tick
+
+    return reward
+
+
+def trl_phases(clock: PhaseClock) -> None:
+    import accelerate
+    import torch
+    from trl.trainer import grpo_trainer
+
+    trainer = grpo_trainer.GRPOTrainer
+    clock.wrap(trainer, "training_step", "total: training_step", starts_step=True)
+    clock.wrap(trainer, "_generate_and_score_completions", "total: generate + reward")
+    clock.wrap(trainer, "_generate", "generate")
+    clock.wrap(trainer, "_calculate_rewards", "reward")
+    clock.wrap(trainer, "compute_loss", "actor forward (+ loss)")
+    clock.wrap(accelerate.Accelerator, "backward", "actor backward")
+    clock.wrap(torch.optim.AdamW, "step", "optimizer step")
+
+
+def furlong_worker(
+    model_dir: str, steps: int, out_dir: str, clock: PhaseClock | None = None
+) -> dict[str, Any]:
     from furlong.metrics import read_metrics
     from furlong.rl.config import load_config
     from furlong.rl.loop import train
 
     register_reward()
+    if clock is not None:
+        furlong_phases(clock)
 
     overrides = [
         f"model.name={json.dumps(model_dir)}",
@@ -118,7 +207,9 @@ def furlong_worker(model_dir: str, steps: int, out_dir: str) -> dict[str, Any]:
     }
 
 
-def trl_worker(model_dir: str, steps: int, out_dir: str) -> dict[str, Any]:
+def trl_worker(
+    model_dir: str, steps: int, out_dir: str, clock: PhaseClock | None = None
+) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -147,6 +238,8 @@ def trl_worker(model_dir: str, steps: int, out_dir: str) -> dict[str, Any]:
 
     ends: list[float] = []
     threads: list[int] = []
+    if clock is not None:
+        trl_phases(clock)
 
     class StepClock(TrainerCallback):
         # A step is the time between consecutive step ends: the batch fetch, generation,
@@ -223,15 +316,21 @@ def trl_worker(model_dir: str, steps: int, out_dir: str) -> dict[str, Any]:
     }
 
 
-def worker_main(side: str, model_dir: str, steps: int, threads: int) -> None:
+def worker_main(side: str, model_dir: str, steps: int, threads: int, phases: int = 0) -> None:
+    """``phases``: time the parts of the last ``phases`` steps (the timed ones)."""
     import torch
 
     torch.set_num_threads(threads)  # before any work: same intra-op pool size on both sides
     import transformers
 
+    clock = PhaseClock() if phases else None
     with tempfile.TemporaryDirectory(prefix=f"rl_step_{side}_") as out:
         run = furlong_worker if side == "furlong" else trl_worker
-        result = run(model_dir, steps, out)
+        result = run(model_dir, steps, out, clock)
+    if clock is not None:
+        # furlong runs one extra last step (it carries the final evaluation): not timed
+        rows = clock.steps[-phases - 1 : -1] if side == "furlong" else clock.steps[-phases:]
+        result["phases"] = clock.medians(rows)
     result.setdefault("threads_in_step", torch.get_num_threads())
     result |= {"torch": torch.__version__, "transformers": transformers.__version__}
     if side == "trl":
@@ -245,7 +344,13 @@ def worker_main(side: str, model_dir: str, steps: int, threads: int) -> None:
 
 
 def run_worker(
-    python: str, side: str, model_dir: Path, steps: int, threads: int, max_tokens: int
+    python: str,
+    side: str,
+    model_dir: Path,
+    steps: int,
+    threads: int,
+    max_tokens: int,
+    phases: int = 0,
 ) -> dict:
     env = os.environ | {
         "HF_HUB_OFFLINE": "1",
@@ -256,13 +361,23 @@ def run_worker(
     }
     cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--model-dir", str(model_dir)]
     cmd += ["--worker-steps", str(steps), "--threads", str(threads)]
-    cmd += ["--max-tokens", str(max_tokens)]
+    cmd += ["--max-tokens", str(max_tokens), "--worker-phases", str(phases)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"{side} worker failed (exit {proc.returncode})")
     return json.loads(lines[-1].removeprefix(RESULT))
+
+
+def print_phases(results: dict[str, dict], warmup: int) -> None:
+    """The ``--phases`` table: median seconds per step of each part, per side."""
+    print("\nparts of a step (one more run per side, median s/step; 'total' rows contain others)")
+    for side, result in results.items():
+        step = statistics.median(result["seconds"][warmup:])
+        print(f"  {side}: step {step:.3f} s")
+        for name, seconds in result["phases"].items():
+            print(f"    {name:34s} {seconds:7.3f}")
 
 
 def trl_version(python: str) -> str | None:
@@ -302,10 +417,16 @@ def main() -> None:
     parser.add_argument("--worker", choices=("furlong", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--worker-steps", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-phases", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--phases", action="store_true", help="then one more run per side: time per step part"
+    )
     args = parser.parse_args()
     MAX_TOKENS = args.max_tokens
     if args.worker:
-        worker_main(args.worker, args.model_dir, args.worker_steps, args.threads)
+        worker_main(
+            args.worker, args.model_dir, args.worker_steps, args.threads, args.worker_phases
+        )
         return
     if args.quick:
         args.rounds, args.warmup, args.steps = 1, 1, 3
@@ -347,6 +468,16 @@ def main() -> None:
                 f"({min(theirs):.3f}-{max(theirs):.3f}, {t['completion_tokens']:.2f} tok/"
                 f"completion)   ratio {ratio:.2f}   [threads {f['threads_in_step']}/"
                 f"{t['threads_in_step']}, transformers {f['transformers']}/{t['transformers']}]"
+            )
+        if args.phases:
+            print_phases(
+                {
+                    s: run_worker(
+                        pythons[s], s, model_dir, total, args.threads, args.max_tokens, args.steps
+                    )
+                    for s in ("furlong", "trl")
+                },
+                args.warmup,
             )
     ratio = statistics.median(ratios)
     print(

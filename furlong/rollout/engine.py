@@ -499,6 +499,10 @@ class EmbeddedEngine:
             [[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device
         )
         want_prompt = [_wants_prompt(r.params) and r.prompt_logprobs is None for r in joining]
+        if not any(want_prompt) and not _wants_routing(joining):
+            shared = self._prefill_once(seqs, width)
+            if shared is not None:  # GRPO: each group's prompt runs once
+                return shared
         cache = kv_cache.new_cache(self.model.config)
         with self.router.record(_wants_routing(joining)):
             positions = (mask.cumsum(1) - 1).clamp(min=0)
@@ -519,6 +523,27 @@ class EmbeddedEngine:
                     ]
                     request.prompt_top = [None, *rows]
         return cache, mask, logits[:, -1].float()
+
+    def _prefill_once(
+        self, seqs: list[list[int]], width: int
+    ) -> tuple[Any, torch.Tensor, torch.Tensor] | None:
+        """Prefill each distinct sequence once and copy its cache rows and logits to every
+        request that joins with it; None when all are distinct."""
+        distinct: dict[tuple[int, ...], int] = {}
+        owner = [distinct.setdefault(tuple(s), len(distinct)) for s in seqs]
+        if len(distinct) == len(seqs):
+            return None
+        unique = [list(s) for s in distinct]
+        ids = torch.tensor([[0] * (width - len(s)) + s for s in unique], device=self.device)
+        mask = torch.tensor(
+            [[0] * (width - len(s)) + [1] * len(s) for s in unique], device=self.device
+        )
+        cache = kv_cache.new_cache(self.model.config)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        logits = self._forward(ids, mask, positions, cache, 1)
+        index = torch.tensor(owner, device=self.device)
+        cache, mask = kv_cache.expand(cache, mask, index)
+        return cache, mask, logits[index, -1].float()
 
     def _decode(
         self, cache: Any, mask: torch.Tensor, last: list[int], running: list[_Request]

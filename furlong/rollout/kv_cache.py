@@ -92,6 +92,15 @@ def select(
     return cache, mask[:, lead:]
 
 
+def expand(
+    cache: DynamicCache, mask: torch.Tensor, index: torch.Tensor
+) -> tuple[DynamicCache, torch.Tensor]:
+    """Rows ``index`` of the batch (repeats allowed: requests sharing a prefilled prompt)."""
+    for layer in cache.layers:
+        _assign(layer, layer.keys[index], layer.values[index])
+    return cache, mask[index]
+
+
 def move(cache: DynamicCache, device: torch.device | str) -> None:
     for layer in cache.layers:
         if isinstance(layer, GrowingLayer):

@@ -84,19 +84,38 @@ def plan_prefixes(input_ids: torch.Tensor, lengths: list[int]) -> PrefixPlan | N
 
 
 def _split_by_prefix(seqs: list[list[int]], members: list[int]) -> list[list[int]]:
-    """Members that share their first token, split so each group shares a prefix at least
-    half as long as its shortest member (a prompt, not a coincidental first token)."""
-    groups: list[list[int]] = []
-    for j in members:
-        for group in groups:
-            head = seqs[group[0]]
-            need = min(len(head), len(seqs[j])) // 2
-            if need and head[:need] == seqs[j][:need]:
-                group.append(j)
+    """Members that share their first token, split into the groups that save the most trunk
+    tokens: sorted, a run of sequences shares the smallest common prefix of its neighbours,
+    and a group of ``n`` sharing ``L`` tokens saves ``(n - 1) * L`` (an exact dynamic program
+    over the runs). GRPO samples of one prompt share that prompt whatever their lengths, and
+    prompts sharing only a chat template's first tokens stay apart when that saves more."""
+    order = sorted(members, key=lambda j: seqs[j])
+    n = len(order)
+    lcp = [0] * n  # lcp[i]: common prefix of sorted i - 1 and i
+    for i in range(1, n):
+        a, b = seqs[order[i - 1]], seqs[order[i]]
+        same, most = 0, min(len(a), len(b))
+        while same < most and a[same] == b[same]:
+            same += 1
+        lcp[i] = same
+    # best[i]: the most tokens saved by grouping sorted 0..i-1; cut[i]: where its last run starts
+    best, cut = [0] * (n + 1), [0] * (n + 1)
+    for i in range(1, n + 1):
+        best[i], cut[i] = best[i - 1], i - 1  # order[i - 1] alone
+        shared, shortest = len(seqs[order[i - 1]]), len(seqs[order[i - 1]])
+        for start in range(i - 2, -1, -1):  # the run order[start .. i - 1]
+            shared = min(shared, lcp[start + 1])
+            shortest = min(shortest, len(seqs[order[start]]))
+            if shared == 0:
                 break
-        else:
-            groups.append([j])
-    return groups
+            saved = best[start] + (i - start - 1) * min(shared, shortest - 1)
+            if saved > best[i]:
+                best[i], cut[i] = saved, start
+    groups, i = [], n
+    while i:
+        groups.append(sorted(order[cut[i] : i]))
+        i = cut[i]
+    return sorted(groups)  # by first member: the plan lists prefixes in datum order
 
 
 def _common_prefix(seqs: list[list[int]], group: list[int], cap: int) -> int:
