@@ -53,6 +53,7 @@ class Limits:
     max_tokens_per_datum: int | None = None
     max_tensor_elements: int = 1 << 22
     max_request_elements: int = 1 << 26
+    zstd: bool = True  # accept zstd bodies (the server asks for them: --compress-fwdbwd)
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,13 @@ def decode_forward_backward(
 ) -> pb.ForwardBackwardRequest:
     """Inflate (capped at ``limits.max_bytes`` while streaming) and decode the protobuf; the
     tensors stay as wire bytes."""
-    max_bytes = (limits or Limits()).max_bytes
+    limits = limits or Limits()
+    max_bytes = limits.max_bytes
     encoding = (content_encoding or "identity").strip().lower()
+    if encoding == "zstd" and not limits.zstd:
+        raise InputError(
+            "Content-Encoding: zstd bodies are off on this server (start it with --compress-fwdbwd)"
+        )
     if encoding == "zstd":
         body = _unzstd(body, max_bytes)
     elif encoding != "identity":

@@ -279,6 +279,7 @@ class Service:
             max_tokens_per_datum=c.max_tokens_per_datum,
             max_tensor_elements=c.max_tensor_elements,
             max_request_elements=c.max_request_elements,
+            zstd=c.compress_fwdbwd,
         )
 
     def decode_forward_backward(
@@ -287,11 +288,6 @@ class Service:
         """Inflate, decode and convert a body within the limits (CPU work: call it off the
         event loop). Body-level errors raise; a datum-level error is kept for ``forward_backward``
         so the refusal can consume the request's ``seq_id``."""
-        if (encoding or "").strip().lower() == "zstd" and not self.config.compress_fwdbwd:
-            raise InputError(
-                "Content-Encoding: zstd bodies are off on this server (start it with "
-                "--compress-fwdbwd)"
-            )
         limits = self.limits(max_bytes)
         msg = proto.decode_forward_backward(body, encoding, limits)
         try:
