@@ -49,7 +49,7 @@ def batch(n: int, length: int, vocab: int) -> list[Datum]:
     out = []
     for _ in range(n):
         ids = torch.randint(3, vocab, (length + 1,), generator=g)
-        out.append(Datum(ids[:-1], {"target_tokens": ids[1:], "weights": torch.ones(length)}))
+        out.append(Datum.next_token(ids, weights=torch.ones(length)))
     return out
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -59,6 +59,25 @@ class Datum:
 
     def __len__(self) -> int:
         return int(self.model_input.numel())
+
+    @classmethod
+    def next_token(cls, tokens: Sequence[int] | torch.Tensor, **response: torch.Tensor) -> Datum:
+        """Teacher forcing over ``tokens`` (prompt + response): ``model_input`` is
+        ``tokens[:-1]`` and ``target_tokens`` is ``tokens[1:]``, so the response occupies the
+        last ``n`` target positions. Each ``response`` input holds those ``n`` positions (all
+        the same length) and is zero-filled over the prompt's."""
+        ids = torch.as_tensor(tokens)
+        lengths = {k: v.shape[0] for k, v in response.items()}
+        if len(set(lengths.values())) > 1 or any(n > ids.numel() - 1 for n in lengths.values()):
+            raise InputError(
+                f"loss_fn_inputs: response lengths {lengths} must be equal and fit "
+                f"{ids.numel() - 1} target positions"
+            )
+        full = {
+            k: torch.cat([v.new_zeros(ids.numel() - 1 - v.shape[0], *v.shape[1:]), v])
+            for k, v in response.items()
+        }
+        return cls(ids[:-1], {"target_tokens": ids[1:], **full})
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def warmup(
     for _ in tqdm(range(steps), desc="warm-up", disable=steps == 0):
         pairs = [ideal_transcript(actor.tokenizer, rng.choice(problems)) for _ in range(batch)]
         total = sum(float(w.sum()) for _, w in pairs)  # mean over the answer tokens
-        data = [Datum(t[:-1], {"target_tokens": t[1:], "weights": w / total}) for t, w in pairs]
+        data = [Datum.next_token(t, weights=w / total) for t, w in pairs]
         actor.forward_backward(data, "cross_entropy")
         actor.optim_step(adam)
 
@@ -100,16 +100,8 @@ def episode(client: httpx.Client, problem: Problem, seed: int) -> Sample:
 
 
 def datum(sample: Sample, advantage: float, scale: float) -> Datum:
-    """Targets are tokens[1:]; the response occupies the last ``response_length`` of them.
-    Tool tokens (loss mask 0) get no advantage, so they carry no gradient."""
-    pad = torch.zeros(sample.prompt_length - 1)
-    advantages = torch.cat([pad, advantage * scale * sample.loss_mask])
-    logprobs = torch.cat([pad, sample.rollout_logprobs])
-    tokens = sample.tokens
-    return Datum(
-        tokens[:-1],
-        {"target_tokens": tokens[1:], "logprobs": logprobs, "advantages": advantages},
-    )
+    """Tool tokens (loss mask 0) get no advantage, so they carry no gradient."""
+    return sample.to_datum(advantages=advantage * scale * sample.loss_mask)
 
 
 def rl_step(

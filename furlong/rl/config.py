@@ -238,11 +238,10 @@ class RLConfig:
             if self.run.export_adapter:
                 raise InputError("run.export_adapter: needs model.lora_rank > 0")
             return
-        # not yet: the adapter's sleep/merge choreography, rank groups and resume of the base
+        # not yet: the adapter's sleep/merge choreography and rank groups
         for name, on in (
             ("colocate.enabled", self.colocate.enabled),
             ("scale (trainer ranks / Ray)", self.scale.enabled),
-            ("run.save_every", self.run.save_every > 0),
         ):
             if on:
                 raise InputError(f"model.lora_rank: LoRA is not supported with {name} yet")

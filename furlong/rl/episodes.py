@@ -45,10 +45,7 @@ class Episode:
 
     def datum(self, inputs: dict[str, torch.Tensor]) -> Datum:
         """``inputs`` hold response-length tensors; prompt positions are zero-filled."""
-        tokens = self.prompt + self.response
-        pad = len(self.prompt) - 1
-        full = {k: torch.cat([torch.zeros(pad, dtype=v.dtype), v]) for k, v in inputs.items()}
-        return Datum(tokens[:-1], {"target_tokens": tokens[1:], **full})
+        return Datum.next_token(self.prompt + self.response, **inputs)
 
 
 def generate_episodes(

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from furlong import host_memory
 from furlong.errors import InputError
 from furlong.metrics import MetricsLog, Tracker, WandbSettings, plot_metrics, read_metrics
 from furlong.models.loading import load_model
@@ -60,6 +61,7 @@ def train(
     config's ``[scale]`` group (one process). ``resume``: a checkpoint directory, or a run's
     ``out_dir`` (its latest checkpoint), to continue bit-identically (``furlong.rl.resume``)."""
     config.validate()
+    host_memory.keep_freed_blocks()  # a step's activations reuse the last step's heap pages
     scale = scale or config.scale
     scale.check(config.colocate.enabled)
     saved = resume_mod.prepare(config, scale, resume)  # None: a fresh run
@@ -83,7 +85,8 @@ def train(
     engine_config = EngineConfig(
         device=m.device, optimizer=config.optimizer, share_prefixes=algo.share_prefixes
     )
-    policy, tokenizer = load_model(m.name, seed=m.seed, dtype=getattr(torch, m.dtype))
+    source = resume_mod.model_source(saved, m.name)  # a LoRA run's warmed-up base on resume
+    policy, tokenizer = load_model(source, seed=m.seed, dtype=getattr(torch, m.dtype))
     policy = policy.to(m.device)
     t = config.task
     task = build_task(t.name, t.reward, t.path, t.max_a, t.max_b)
@@ -117,6 +120,8 @@ def train(
         resume_mod.restore_actor(saved, actor)
         _publish(actor, rollout, saved.weight_version)
     saved_reference = reference if config.warmup.steps else None  # else: the model as loaded
+    # a LoRA checkpoint holds the adapter; the base it adapts is the model after the warm-up
+    warmed_base = (policy, tokenizer) if m.lora_rank and config.warmup.steps else None
 
     params = SamplingParams(
         max_tokens=ro.max_tokens,
@@ -169,7 +174,7 @@ def train(
         # a checkpoint's engines are written now, while a colocated trainer is awake
         pending = None
         if run.save_every and (step % run.save_every == 0 or step == run.steps):
-            pending = resume_mod.stage(out, step, actor, critic, saved_reference)
+            pending = resume_mod.stage(out, step, actor, critic, saved_reference, warmed_base)
         # 7. publish the new weights to the rollout engine
         publish = functools.partial(_publish, actor, rollout, step)
         if colocation is not None:

@@ -9,6 +9,9 @@ Layout under the run's ``out_dir``::
         actor_critic/       CriticEngine.save_state (algo.advantage = "gae" only)
         reference/          the frozen reference, when one is kept and a warm-up ran (without
                             a warm-up it is the model as loaded, re-derived on resume)
+        base/               a LoRA run's base model after its warm-up (an HF directory; the
+                            adapter and its optimizer are in actor/), loaded instead of
+                            model.name on resume
         rng.safetensors     torch's CPU (and CUDA) generator states
         state.json          step, rollout weight version, metrics step, the loop's Random
         config.toml         the run's config when saved
@@ -38,7 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from furlong.errors import InputError
-from furlong.models.loading import atomic_dir, publish_dir, recover_published
+from furlong.models.loading import atomic_dir, publish_dir, recover_published, save_hf_dir
 from furlong.rl.config import RLConfig, load_config, to_toml
 from furlong.train import checkpoint as ckpt
 
@@ -47,6 +50,7 @@ LATEST = "latest"
 ACTOR = "actor"
 CRITIC = ACTOR + "_critic"  # the critic's checkpoint: a sibling "<save>_critic" directory
 REFERENCE = "reference"
+BASE = "base"
 STATE = "state.json"
 RNG = "rng.safetensors"
 ACTOR_INFO = {"role": "actor"}
@@ -96,9 +100,16 @@ def checkpoint_dir(out: Path, step: int) -> Path:
 # ---------------------------------------------------------------- saving
 
 
-def stage(out: Path, step: int, actor: Any, critic: Any, reference: Any) -> Pending:
+def stage(
+    out: Path,
+    step: int,
+    actor: Any,
+    critic: Any,
+    reference: Any,
+    base: tuple[torch.nn.Module, Any] | None = None,
+) -> Pending:
     """Write the engines' states into a temp checkpoint directory; ``reference`` is None when
-    it need not be saved."""
+    it need not be saved; ``base``: a LoRA actor's (model, tokenizer) when it was warmed up."""
     tmp, final = atomic_dir(checkpoint_dir(out, step))
     try:
         actor.save_state(tmp / ACTOR, info=ACTOR_INFO)
@@ -106,6 +117,8 @@ def stage(out: Path, step: int, actor: Any, critic: Any, reference: Any) -> Pend
             critic.save_state(tmp / CRITIC)
         if reference is not None:
             reference.save_state(tmp / REFERENCE)
+        if base is not None:
+            save_hf_dir(*base, tmp / BASE)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -232,6 +245,13 @@ def _flat(config: RLConfig) -> dict[str, Any]:
     }
 
 
+def model_source(saved: Checkpoint | None, name: str) -> str:
+    """Where the run's model loads from: a resumed LoRA run's warmed-up base, else ``name``."""
+    if saved is not None and (saved.path / BASE).is_dir():
+        return str(saved.path / BASE)
+    return name
+
+
 def restore_actor(saved: Checkpoint, actor: Any) -> None:
     actor.load_state(saved.path / ACTOR, expect_info=ACTOR_INFO)
 
@@ -256,6 +276,11 @@ def actor_model(saved: Checkpoint, like: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``like`` (awake, the actor's architecture) holding the checkpoint's actor
     weights."""
     tensors, _, meta = ckpt.read_training_state(saved.path / ACTOR)
+    if meta["kind"] != ckpt.KIND_MODEL:
+        raise InputError(
+            f"--resume: {saved.path / CRITIC} is missing and the actor checkpoint holds a LoRA "
+            "adapter, not a model to start a fresh critic from"
+        )
     model = copy.deepcopy(like)
     with torch.no_grad():
         ckpt.restore_model(model, tensors, meta["aliases"])

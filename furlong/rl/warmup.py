@@ -22,9 +22,7 @@ def sft_datum(tokenizer: Any, problem: Problem, scale: float = 1.0) -> Datum:
     """The chat-formatted problem with its answer; weight ``scale`` on the answer tokens."""
     prompt = render_prompt(tokenizer, problem.prompt)
     answer = answer_ids(tokenizer, problem)
-    tokens = prompt + answer
-    weights = torch.tensor([0.0] * (len(prompt) - 1) + [scale] * len(answer))
-    return Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": weights})
+    return Datum.next_token(prompt + answer, weights=torch.full((len(answer),), scale))
 
 
 def answer_ids(tokenizer: Any, problem: Problem) -> list[int]:

@@ -16,9 +16,6 @@ from other threads and take effect between two steps.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import itertools
 import os
 import threading
@@ -33,6 +30,8 @@ import torch
 from safetensors.torch import load_file
 
 from furlong.errors import InputError
+from furlong.host_memory import release_host_memory
+from furlong.models.fast_forward import FastForward
 from furlong.rollout import kv_cache
 from furlong.rollout.base import (
     FinishReason,
@@ -44,7 +43,6 @@ from furlong.rollout.base import (
     check_tags,
     expand_params,
 )
-from furlong.rollout.fast_forward import FastForward
 from furlong.rollout.routing import RoutingRecorder
 from furlong.rollout.sampling import Draw, SamplingParams, draw_batch, request_generator
 from furlong.rollout.sampling_mask import SamplingMask
@@ -622,14 +620,3 @@ def _wants_routing(requests: list[_Request]) -> bool:
 def _release_device_cache(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def release_host_memory() -> None:
-    """Collect garbage and hand freed heap pages back to the OS (glibc keeps them otherwise,
-    so one failed large request would pin its peak memory for the life of the server)."""
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    if name is not None:
-        libc = ctypes.CDLL(name)
-        if hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)

@@ -17,6 +17,7 @@ import torch
 
 from furlong.errors import InputError
 from furlong.rollout.sampling_mask import SamplingMask
+from furlong.types import Datum
 
 
 def _ints(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -73,6 +74,11 @@ class Sample:
 
     def replace(self, **changes: object) -> Sample:
         return dataclasses.replace(self, **changes)
+
+    def to_datum(self, **response: torch.Tensor) -> Datum:
+        """The training datum: ``rollout_logprobs`` as ``logprobs``, plus ``response``
+        inputs (``advantages``, ...) over the response positions (see ``Datum.next_token``)."""
+        return Datum.next_token(self.tokens, logprobs=self.rollout_logprobs, **response)
 
 
 def append_sampled(

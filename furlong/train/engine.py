@@ -25,6 +25,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from furlong.errors import InputError
+from furlong.models.fast_forward import FastForward
 from furlong.models.loading import load_model, save_hf_dir
 from furlong.train import checkpoint as ckpt
 from furlong.train.batching import PADDING, Microbatch, collate, plan_microbatches
@@ -37,7 +38,7 @@ from furlong.train.logprobs import (
 )
 from furlong.train.objectives import Objective, datum_losses
 from furlong.train.optim import OptimizerConfig, build_optimizer, optimizer_step
-from furlong.train.prefix_sharing import plan_prefixes, shared_prefix_hidden
+from furlong.train.prefix_sharing import Trunk, plan_prefixes, shared_prefix_hidden
 from furlong.train.replay import concat_supports, row_supports
 from furlong.train.routing_replay import check_routing, forced_rows, replay_routing
 from furlong.train.turns import turn_point
@@ -51,6 +52,8 @@ class EngineConfig:
     logprob_chunk_size: int | None = None  # rows per log-prob chunk; None: auto; <= 0: off
     recompute_loss: bool = False  # activation-checkpoint the loss (head + objective)
     gradient_checkpointing: bool = False  # HF activation checkpointing of the trunk
+    # dense Qwen3/Qwen2/Llama trunks through FastForward (same ops, fused RMSNorm backward)
+    fast_forward: bool = True
     device: str = "cpu"
     # run a prompt shared by several datums (a GRPO group) through the trunk once
     share_prefixes: bool = False
@@ -306,15 +309,26 @@ class TrainingEngine:
         return float(total.detach()), results
 
     def _hidden_rows(self, mb: Microbatch, shareable: bool = True) -> torch.Tensor:
+        trunk = self._trunk()
         if self.config.share_prefixes and shareable and not self.config.gradient_checkpointing:
             plan = plan_prefixes(mb.input_ids, mb.lengths)
             if plan is not None:
-                return shared_prefix_hidden(self.model.get_decoder(), plan)
-        out = self.model.get_decoder()(
-            input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False
-        )
-        hidden = out.last_hidden_state
+                return shared_prefix_hidden(trunk, plan)
+        batch, width = mb.input_ids.shape
+        positions = torch.arange(width, device=mb.input_ids.device).expand(batch, width)
+        hidden = trunk(mb.input_ids, mb.attention_mask, positions, None)
         return hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.rows)
+
+    def _trunk(self) -> Trunk:
+        """FastForward's decoder pass when it runs this model exactly (asked at every call:
+        adapters, hooks or sharding may have been added since), else the HF decoder's."""
+        if (
+            self.config.fast_forward
+            and not self.config.gradient_checkpointing
+            and FastForward.supports(self.model)
+        ):
+            return FastForward(self.model).hidden
+        return functools.partial(_hf_trunk, self.model.get_decoder())
 
     def _loss(
         self,
@@ -477,6 +491,22 @@ class TrainingEngine:
     def _check_awake(self, where: str) -> None:
         if self.host_weights is not None:
             raise InputError(f"{where}: the engine is asleep (weights in host memory); wake first")
+
+
+def _hf_trunk(
+    decoder: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: Any,
+) -> torch.Tensor:
+    return decoder(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=cache is not None,
+    ).last_hidden_state
 
 
 def movable_state(optimizer: Any, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:

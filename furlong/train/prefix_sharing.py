@@ -13,10 +13,14 @@ checkpointing (HF's checkpointed trunk refuses a cache).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
+
+# a decoder pass: (input_ids, attention_mask, position_ids, cache or None) -> hidden [B, T, H]
+Trunk = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Cache | None], torch.Tensor]
 
 MIN_SAVING = 0.2  # share only when it removes at least this share of the tokens
 
@@ -130,23 +134,14 @@ def _common_prefix(seqs: list[list[int]], group: list[int], cap: int) -> int:
     return common
 
 
-def shared_prefix_hidden(decoder: torch.nn.Module, plan: PrefixPlan) -> torch.Tensor:
+def shared_prefix_hidden(trunk: Trunk, plan: PrefixPlan) -> torch.Tensor:
     """The hidden rows ``[R, H]`` of every real token, in the plain pass's row order."""
     cache = DynamicCache()
-    prefix = decoder(
-        input_ids=plan.prefix_ids,
-        attention_mask=plan.prefix_mask,
-        cache=cache,
-        use_cache=True,
-    ).last_hidden_state
+    groups, width = plan.prefix_ids.shape
+    positions = torch.arange(width, device=plan.prefix_ids.device).expand(groups, width)
+    prefix = trunk(plan.prefix_ids, plan.prefix_mask, positions, cache)
     cache.reorder_cache(plan.owner)  # index_select on the batch: differentiable
     mask = torch.cat([plan.prefix_mask[plan.owner], plan.suffix_mask], dim=1)
-    suffix = decoder(
-        input_ids=plan.suffix_ids,
-        attention_mask=mask,
-        position_ids=plan.suffix_positions,
-        cache=cache,
-        use_cache=True,
-    ).last_hidden_state
+    suffix = trunk(plan.suffix_ids, mask, plan.suffix_positions, cache)
     flat = torch.cat([prefix.reshape(-1, prefix.shape[-1]), suffix.reshape(-1, suffix.shape[-1])])
     return flat.index_select(0, plan.rows)

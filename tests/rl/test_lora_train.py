@@ -87,7 +87,6 @@ def test_a_lora_run_trains_the_adapter_and_exports_merged_and_adapter(tmp_path) 
     "extra, match",
     [
         (["colocate.enabled=true"], "LoRA is not supported with colocate.enabled"),
-        (["run.save_every=2"], "LoRA is not supported with run.save_every"),
         (["model.lora_rank=-1"], r"model\.lora_rank: must be >= 0"),
         (["model.lora_rank=0"], r"run\.export_adapter: needs model\.lora_rank > 0"),
     ],

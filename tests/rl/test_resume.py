@@ -138,6 +138,39 @@ def test_ppo_colocated_grows_its_steps_from_the_cli(tmp_path) -> None:
     assert_same_run(straight, resumed)
 
 
+def test_lora_with_a_warm_up_resumes_bit_identically(tmp_path, monkeypatch) -> None:
+    """The checkpoint holds the adapter with its optimizer and the warmed-up base it adapts;
+    the resumed run loads that base instead of model.name and runs no second warm-up."""
+    lora = ["model.lora_rank=4", "warmup.steps=2", "warmup.batch_size=4", "run.export_adapter=true"]
+    lora += ["algo.kl_coef=0.05"]  # a KL reference too: the warmed-up base, as loaded back
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(config(straight, *lora))
+
+    calls = []
+    metrics = loop._episode_metrics
+
+    def crash_in_step_5(*args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise Killed
+        return metrics(*args)
+
+    monkeypatch.setattr(loop, "_episode_metrics", crash_in_step_5)
+    with pytest.raises(Killed):
+        train(config(resumed, *lora, "run.save_every=2"))
+    monkeypatch.setattr(loop, "_episode_metrics", metrics)
+    step4 = resumed / "checkpoints" / "step-000004"
+    assert {"actor", "base", "reference"} <= {p.name for p in step4.iterdir()}
+    assert (step4 / "base" / "model.safetensors").is_file()
+    warmup = (resumed / "warmup.jsonl").read_text()
+    assert cli.main(["train", "--resume", str(resumed)]) == 0
+    assert (resumed / "warmup.jsonl").read_text() == warmup
+    assert_same_run(straight, resumed)
+    a = load_file(str(straight / "policy_adapter" / "adapter_model.safetensors"))
+    b = load_file(str(resumed / "policy_adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_resume_refuses_a_changed_config(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     train(config(out, "run.steps=1", "run.save_every=1", "run.export_hf=false"))

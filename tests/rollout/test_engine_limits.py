@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from furlong import host_memory
 from furlong.errors import InputError
 from furlong.models import build_preset
 from furlong.rollout import engine as engine_module
@@ -55,4 +56,4 @@ def test_a_failed_step_frees_the_batch_and_the_engine_keeps_serving(engine, monk
 
 
 def test_release_host_memory_runs() -> None:
-    engine_module.release_host_memory()  # gc + malloc_trim where glibc has it; never raises
+    host_memory.release_host_memory()  # gc + malloc_trim where glibc has it; never raises

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config, Qwen3Config
 
 from furlong.models import load_model
+from furlong.models.fast_forward import FastForward
 from furlong.rollout import kv_cache
-from furlong.rollout.fast_forward import FastForward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

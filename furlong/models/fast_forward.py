@@ -1,4 +1,4 @@
-"""A lean forward pass for dense Llama-style decoders (Qwen3, Qwen2, Llama), for rollout.
+"""A lean forward pass for dense Llama-style decoders (Qwen3, Qwen2, Llama): rollout and training.
 
 On CPU with small models one HF forward step costs mostly fixed Python overhead: module
 ``__call__`` machinery, output-capturing decorators, ``create_causal_mask``, the rotary table,
@@ -6,14 +6,21 @@ RMSNorm as five ops. :class:`FastForward` runs the same ops in the same order st
 model's parameters with ``torch.nn.functional``, so logits and cached keys/values equal the HF
 forward's (bit for bit on CPU in fp32 and bf16 when tested; SDPA kernels may differ elsewhere).
 
-Limits: inference only (no autograd: it runs under ``no_grad``; no dropout); only the exact
-module classes in ``_ARCH``, with SiLU, default RoPE and full attention on every layer
-(:meth:`supports` says no otherwise, e.g. MoE, sliding windows, scaled RoPE, LoRA-wrapped or
-hooked modules). Weights are read from the modules at every call, so in-place updates and
-``p.data`` swaps are seen; hooks registered after construction are not run.
+Two modes. Inference (``__call__``, under ``no_grad``): in-place residual adds. Training
+(:meth:`hidden` with grad enabled): every op out of place, and RMSNorm is one autograd node
+(:class:`_RMSNorm`) whose backward takes four passes over the activations where autograd's
+chain over HF's five forward ops takes about twice as many; its forward is HF's, op for op.
+
+Limits: no dropout; only the exact module classes in ``_ARCH``, with SiLU, default RoPE and full
+attention on every layer (:meth:`supports` says no otherwise, e.g. MoE, sliding windows,
+scaled RoPE, LoRA-wrapped or hooked modules, attention dropout). Weights are read from the
+modules at every call, so in-place updates and ``p.data`` swaps are seen; hooks registered
+after construction are not run (ask :meth:`supports` again when modules may have changed).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +40,34 @@ _ARCH: dict[type, tuple[type, ...]] = {
 
 
 def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or norm.weight.requires_grad):
+        return _RMSNorm.apply(x, norm.weight, norm.variance_epsilon)
     return torch.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """HF's RMSNorm (fp32 statistics, ``weight * x_hat`` in the input dtype) with a fused
+    backward: ``dx = rstd * (g w - x_hat * mean(g w x_hat))``, ``dw = sum(g x_hat)``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        x_hat = xf * rstd
+        ctx.save_for_backward(x_hat, rstd, weight)
+        ctx.dtypes = x.dtype, weight.dtype
+        return weight * x_hat.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x_hat, rstd, weight = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        g = grad.float()
+        gw = g * weight.float()
+        dot = torch.linalg.vecdot(gw, x_hat).unsqueeze(-1).div_(x_hat.shape[-1])
+        dx = gw.sub_(x_hat * dot).mul_(rstd)
+        dw = (g * x_hat).reshape(-1, x_hat.shape[-1]).sum(0)
+        return dx.to(x_dtype), dw.to(w_dtype), None
 
 
 def _linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
@@ -46,12 +80,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
+def _add(h: torch.Tensor, x: torch.Tensor, in_place: bool) -> torch.Tensor:
+    return h.add_(x) if in_place else h + x
+
+
 class FastForward:
     """``model(...).logits`` of a dense Qwen3/Qwen2/Llama causal LM, with less per-step overhead.
 
     Call as ``ff(input_ids, attention_mask, position_ids, cache, logits_to_keep)``: the
-    arguments the engine gives the HF forward (left-padded ``attention_mask`` over past + new
-    positions). Returns logits ``[B, logits_to_keep or T, V]`` in the model dtype."""
+    arguments the engine gives the HF forward (``attention_mask`` over past + new positions,
+    left- or right-padded). Returns logits ``[B, logits_to_keep or T, V]`` in the model dtype.
+    :meth:`hidden` is the differentiable decoder output for training passes."""
 
     def __init__(self, model: nn.Module):
         if not self.supports(model):
@@ -85,7 +124,11 @@ class FastForward:
             or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ())
             or not getattr(cfg, "is_causal", True)
             or len(body.layers) != cfg.num_hidden_layers
+            or getattr(cfg, "attention_dropout", 0.0)
             or type(body.embed_tokens) is not nn.Embedding
+            or body.embed_tokens.max_norm is not None
+            or body.embed_tokens.scale_grad_by_freq
+            or body.embed_tokens.sparse
             or type(model.lm_head) is not nn.Linear
             or type(body.norm) is not norm_cls
         ):
@@ -118,25 +161,42 @@ class FastForward:
         cache: Cache,
         logits_to_keep: int = 1,
     ) -> torch.Tensor:
-        if torch.is_grad_enabled():  # in-place ops below are not autograd-safe
+        if torch.is_grad_enabled():  # inference only: the residual adds below are in place
             with torch.no_grad():
-                return self._forward(input_ids, attention_mask, position_ids, cache, logits_to_keep)
-        return self._forward(input_ids, attention_mask, position_ids, cache, logits_to_keep)
+                return self(input_ids, attention_mask, position_ids, cache, logits_to_keep)
+        h = self._layers(input_ids, attention_mask, position_ids, cache)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        return _linear(_rms(h, self.model.model.norm), self.model.lm_head)
 
-    def _forward(
+    def hidden(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
-        cache: Cache,
-        logits_to_keep: int,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        """The decoder's output ``[B, T, H]`` (after the final norm), what the HF decoder's
+        ``last_hidden_state`` holds; differentiable when grad is enabled. Without ``cache`` the
+        keys and values are used as computed (a training pass keeps no cache)."""
+        h = self._layers(input_ids, attention_mask, position_ids, cache)
+        return _rms(h, self.model.model.norm)
+
+    def _layers(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Cache | None,
     ) -> torch.Tensor:
         body = self.model.model
         batch, new = input_ids.shape
         heads, kv_heads, head_dim, scale = self.heads, self.kv_heads, self.head_dim, self.scaling
-        h = F.embedding(input_ids, body.embed_tokens.weight).view(batch * new, -1)
+        embed = body.embed_tokens
+        h = F.embedding(input_ids, embed.weight, embed.padding_idx).view(batch * new, -1)
         cos, sin = self._rotary(position_ids, h.dtype)
         decode = new == 1
+        in_place = not torch.is_grad_enabled()  # autograd needs every input it saved intact
         pad = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, past + new]
         if decode:  # additive: SDPA converts a boolean mask again in every layer
             mask = torch.zeros(pad.shape, dtype=h.dtype, device=h.device)
@@ -154,7 +214,9 @@ class FastForward:
             if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rotary
                 q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2), i)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            if cache is not None:
+                k, v = cache.update(k, v, i)
             if decode:
                 # One query: its heads sharing a KV head become that head's query rows (what
                 # HF's pack_gqa does), so keys and values are never repeated.
@@ -166,14 +228,12 @@ class FastForward:
                 q = q.transpose(1, 2)
                 o = F.scaled_dot_product_attention(q, k, v, mask, scale=scale, enable_gqa=gqa)
                 o = o.transpose(1, 2).reshape(batch * new, heads * head_dim)
-            h += _linear(o, attn.o_proj)
+            h = _add(h, _linear(o, attn.o_proj), in_place)
             x = _rms(h, layer.post_attention_layernorm)
-            a = F.silu(_linear(x, mlp.gate_proj), inplace=True).mul_(_linear(x, mlp.up_proj))
-            h += _linear(a, mlp.down_proj)
-        h = h.view(batch, new, -1)
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
-        return _linear(_rms(h, body.norm), self.model.lm_head)
+            a = F.silu(_linear(x, mlp.gate_proj), inplace=in_place)
+            a = a.mul_(_linear(x, mlp.up_proj)) if in_place else a * _linear(x, mlp.up_proj)
+            h = _add(h, _linear(a, mlp.down_proj), in_place)
+        return h.view(batch, new, -1)
 
     def _rotary(
         self, position_ids: torch.Tensor, dtype: torch.dtype
