@@ -235,7 +235,7 @@ class Colocation:
         self.ledger = ledger if ledger is not None else ByteLedger()
         self.phase: Phase = "down"
         self.gpu = self.config.memory_peak_device == "gpu"
-        sizes = rollout_bytes(rollout)  # engines up
+        sizes = rollout.memory_bytes()  # engines up
         self.ledger.set("weights", sizes["weights"])
         self.ledger.set("kv_cache", sizes["kv_cache"])
 
@@ -320,9 +320,9 @@ class Colocation:
         tags = self._tags(levels)
         if not tags:  # a no-op exactly when its onload twin is
             return
-        before = rollout_bytes(self.rollout)
+        before = self.rollout.memory_bytes()
         self.rollout.offload(tags)
-        after = rollout_bytes(self.rollout)
+        after = self.rollout.memory_bytes()
         self.ledger.record(event)
         if "kv_cache" in tags:  # dropped: no host copy once generation is done
             self.ledger.release("kv_cache", before["kv_cache"] - after["kv_cache"])
@@ -333,9 +333,9 @@ class Colocation:
         tags = self._tags(levels)
         if not tags:
             return
-        before = rollout_bytes(self.rollout)
+        before = self.rollout.memory_bytes()
         self.rollout.onload(tags)
-        after = rollout_bytes(self.rollout)
+        after = self.rollout.memory_bytes()
         self.ledger.record(event)
         if "weights" in tags:
             self.ledger.resume("weights", after["weights"] - before["weights"], source="mirror")
@@ -374,34 +374,3 @@ def trainer_weights(trainer: Any) -> dict[str, torch.Tensor]:
     if trainer.host_weights is not None:
         return dict(trainer.host_weights)
     return trainer.rollout_weights()
-
-
-def rollout_bytes(rollout: Any) -> dict[str, int]:
-    """``weights`` and ``kv_cache`` (live) and ``mirror`` (offloaded weights) bytes of a rollout
-    engine. An engine may report its own (``memory_bytes()``); an :class:`EmbeddedEngine` is
-    measured from its tensors; a remote engine (SGLang) counts 0: events only."""
-    sizes = {"weights": 0, "kv_cache": 0, "mirror": 0}
-    report = getattr(rollout, "memory_bytes", None)
-    if callable(report):
-        return {**sizes, **report()}
-    model = getattr(rollout, "model", None)
-    if model is None:
-        return sizes
-    sizes["weights"] = sum(p.data.nbytes for p in model.parameters())
-    # the engine's own offload state, read-only: it has no public byte report
-    sizes["mirror"] = sum(t.nbytes for t in getattr(rollout, "_host_weights", {}).values())
-    cache = getattr(getattr(rollout, "_batch", None), "cache", None)
-    if cache is not None and "kv_cache" not in getattr(rollout, "offloaded", ()):
-        sizes["kv_cache"] = _cache_bytes(cache)
-    return sizes
-
-
-def _cache_bytes(cache: Any) -> int:
-    """Allocated bytes behind a transformers cache (each layer's buffers, counted once)."""
-    storages: dict[int, int] = {}
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor) and t.numel():
-                s = t.untyped_storage()
-                storages[s.data_ptr()] = s.nbytes()
-    return sum(storages.values())

@@ -25,7 +25,15 @@ import torch
 from ray.exceptions import RayActorError
 
 from furlong.models.loading import load_model
-from furlong.rollout.base import GenerateResult, MemoryTag, PauseMode, Weights, expand_params
+from furlong.rollout.base import (
+    GenerateResult,
+    MemoryBytes,
+    MemoryTag,
+    PauseMode,
+    Weights,
+    expand_params,
+    no_memory,
+)
 from furlong.rollout.codec import decode_results, encode_results, opt_in, payload_fields
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sampling import SamplingParams
@@ -155,6 +163,14 @@ class RayRollout:
 
     def onload(self, tags: Iterable[MemoryTag]) -> None:
         self._all("onload", list(tags))
+
+    def memory_bytes(self) -> MemoryBytes:
+        """Summed over the engines."""
+        total = no_memory()
+        for sizes in self._all("memory_bytes"):
+            for k, v in sizes.items():
+                total[k] += v
+        return total
 
     def close(self) -> None:
         for engine in self.engines:

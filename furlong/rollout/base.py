@@ -22,6 +22,7 @@ FinishReason = Literal["stop", "length", "abort"]
 # their prefix recomputed under the new weights; in_place: they are frozen with their KV cache.
 PauseMode = Literal["abort", "retract", "in_place"]
 MemoryTag = Literal["kv_cache", "weights"]
+MemoryBytes = dict[str, int]  # "weights", "kv_cache", "mirror"
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 MEMORY_TAGS: tuple[str, ...] = get_args(MemoryTag)
 
@@ -100,6 +101,16 @@ class RolloutEngine(Protocol):
     def offload(self, tags: Iterable[MemoryTag]) -> None: ...
 
     def onload(self, tags: Iterable[MemoryTag]) -> None: ...
+
+    def memory_bytes(self) -> MemoryBytes:
+        """What the engine holds now, for the colocation ledger: live ``weights`` and
+        ``kv_cache`` bytes and the ``mirror`` (offloaded weights in host memory); a remote
+        engine that cannot see its server's memory reports zeros."""
+        ...
+
+
+def no_memory() -> MemoryBytes:
+    return {"weights": 0, "kv_cache": 0, "mirror": 0}
 
 
 def check_pause_mode(mode: str) -> PauseMode:

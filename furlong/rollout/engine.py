@@ -36,6 +36,7 @@ from furlong.rollout import kv_cache
 from furlong.rollout.base import (
     FinishReason,
     GenerateResult,
+    MemoryBytes,
     MemoryTag,
     PauseMode,
     Weights,
@@ -388,6 +389,16 @@ class EmbeddedEngine:
     @property
     def offloaded(self) -> frozenset[str]:
         return frozenset(self._offloaded)
+
+    def memory_bytes(self) -> MemoryBytes:
+        with self._cond:
+            cache = self._batch.cache
+            live = cache is not None and "kv_cache" not in self._offloaded
+            return {
+                "weights": sum(p.data.nbytes for p in self.model.parameters()),
+                "kv_cache": kv_cache.nbytes(cache) if live else 0,
+                "mirror": sum(t.nbytes for t in self._host_weights.values()),
+            }
 
     # ---------------------------------------------------------------- worker
 

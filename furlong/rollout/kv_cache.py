@@ -101,6 +101,17 @@ def expand(
     return cache, mask[index]
 
 
+def nbytes(cache: DynamicCache) -> int:
+    """Allocated bytes behind the cache (each layer's buffers, spare room included, once)."""
+    storages: dict[int, int] = {}
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor) and t.numel():
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def move(cache: DynamicCache, device: torch.device | str) -> None:
     for layer in cache.layers:
         if isinstance(layer, GrowingLayer):

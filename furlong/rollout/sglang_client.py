@@ -30,6 +30,7 @@ from furlong.errors import InputError
 from furlong.rollout import sglang_wire as wire
 from furlong.rollout.base import (
     GenerateResult,
+    MemoryBytes,
     MemoryTag,
     PauseMode,
     Weights,
@@ -37,6 +38,7 @@ from furlong.rollout.base import (
     check_tags,
     check_url,
     expand_params,
+    no_memory,
 )
 from furlong.rollout.sampling import SamplingParams
 
@@ -280,6 +282,9 @@ class SGLangClient:
     def onload(self, tags: Iterable[MemoryTag]) -> None:
         body = {"tags": check_tags(tags)}
         self._on_all(lambda i: self._post(i, "/resume_memory_occupation", body, "onload"))
+
+    def memory_bytes(self) -> MemoryBytes:
+        return no_memory()  # the servers' memory is theirs: the ledger records events only
 
     def health(self) -> bool:
         """Every server answers ``/health``."""

@@ -20,7 +20,6 @@ from furlong.rl.handoff import (
     Colocation,
     HandoffConfig,
     LedgerError,
-    rollout_bytes,
     trainer_bytes,
     trainer_weights,
 )
@@ -191,7 +190,7 @@ def test_kv_cache_only_level_never_moves_the_rollout_weights(pair, base) -> None
         colo.after_generate()
         assert colo.ledger.events[n:] == ["offload_kv", "trainer_wake"]
         assert rollout.offloaded == {"kv_cache"}
-        assert rollout_bytes(rollout)["weights"] == weights  # still resident
+        assert rollout.memory_bytes()["weights"] == weights  # still resident
         train_step(trainer, results)
         n = len(colo.ledger.events)
         colo.publish(update(trainer, rollout))

@@ -116,6 +116,7 @@ PROTOCOL = [
     "resume",
     "offload",
     "onload",
+    "memory_bytes",
 ]
 
 
