@@ -126,7 +126,7 @@ def furlong_phases(clock: PhaseClock) -> None:
     clock.wrap(torch.Tensor, "backward", "actor backward")
     clock.wrap(TrainingEngine, "forward_backward", "total: actor forward_backward")
     clock.wrap(TrainingEngine, "optim_step", "optimizer step")
-    clock.wrap(loop, "_publish", "publish weights")
+    clock.wrap(loop, "publish_weights", "publish weights")
 
 
 def _timed_reward(clock: PhaseClock, fn: Any) -> Any:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -212,7 +212,7 @@ class Colocation:
     ``finish``              the events of ``after_generate`` (the run is over)
     ======================= ============================================================
 
-    The weight update runs while the trainer sleeps: it reads :func:`trainer_weights` (the
+    The weight update runs while the trainer sleeps: it reads the trainer's ``weights()`` (the
     host backup then), not ``model.state_dict()`` (emptied). The trainer's device bytes count
     from ``load_trainer`` on (the contract's trainer init) and are re-measured when ``publish``
     starts (the train step grows them: AdamW's moments at the first step). A phase checks its
@@ -366,11 +366,3 @@ def trainer_bytes(trainer: Trainer) -> int:
         total += p.data.nbytes
         total += sum(v.nbytes for v in movable_state(trainer.optimizer, p).values())
     return total
-
-
-def trainer_weights(trainer: Any) -> dict[str, torch.Tensor]:
-    """A TrainingEngine's trainable weights by name, wherever they are: the host backup while
-    it sleeps (when the weight update runs), else the live parameters."""
-    if trainer.host_weights is not None:
-        return dict(trainer.host_weights)
-    return trainer.rollout_weights()

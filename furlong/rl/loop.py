@@ -31,6 +31,7 @@ from furlong.rl import resume as resume_mod
 from furlong.rl import scale_out
 from furlong.rl.config import RLConfig, to_toml
 from furlong.rl.episodes import Episode, generate_episodes
+from furlong.rl.publish import publish_weights
 from furlong.rl.rollout_choice import build_rollout
 from furlong.rl.scale_out import ScaleOut
 from furlong.rl.signal_watch import SignalWatch
@@ -38,6 +39,7 @@ from furlong.rl.tasks import build_task
 from furlong.rl.warmup import evaluate, supervised_warmup
 from furlong.rollout.base import RolloutEngine
 from furlong.rollout.sampling import SamplingParams
+from furlong.train.api import Trainer
 from furlong.train.engine import EngineConfig, TrainingEngine
 from furlong.types import AdamParams
 
@@ -118,7 +120,7 @@ def train(
     colocation = _colocation(config, actor, rollout, saved)  # a colocated actor loads in there
     if saved is not None and colocation is None:
         resume_mod.restore_actor(saved, actor)
-        _publish(actor, rollout, saved.weight_version)
+        publish_weights(actor, rollout, saved.weight_version)
     saved_reference = reference if config.warmup.steps else None  # else: the model as loaded
     # a LoRA checkpoint holds the adapter; the base it adapts is the model after the warm-up
     warmed_base = (policy, tokenizer) if m.lora_rank and config.warmup.steps else None
@@ -176,7 +178,7 @@ def train(
         if run.save_every and (step % run.save_every == 0 or step == run.steps):
             pending = resume_mod.stage(out, step, actor, critic, saved_reference, warmed_base)
         # 7. publish the new weights to the rollout engine
-        publish = functools.partial(_publish, actor, rollout, step)
+        publish = functools.partial(publish_weights, actor, rollout, step)
         if colocation is not None:
             colocation.publish(publish)
             metrics |= colocation.ledger.peaks()
@@ -243,7 +245,7 @@ def _critic_from_actor(config: RLConfig, saved: resume_mod.Checkpoint, policy: A
     return _critic(config, resume_mod.actor_model(saved, policy))
 
 
-def _export(actor: TrainingEngine, colocation: Any, path: Path) -> Path:
+def _export(actor: Trainer, colocation: Any, path: Path) -> Path:
     if colocation is not None:  # the last publish left the trainer asleep
         colocation.finish()
     return actor.export_hf(path)
@@ -317,7 +319,7 @@ def _colocation(
     else:  # the contract's "trainer init + checkpoint load"
         load = functools.partial(resume_mod.restore_actor, saved, actor)
         version = saved.weight_version
-    colocation.startup(load, functools.partial(_publish, actor, rollout, version))
+    colocation.startup(load, functools.partial(publish_weights, actor, rollout, version))
     return colocation
 
 
@@ -329,14 +331,6 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _short(accuracy: dict[str, float]) -> dict[str, str]:
     return {k.removeprefix("eval_"): f"{v:.2f}" for k, v in accuracy.items()}
-
-
-def _publish(actor: TrainingEngine, rollout: RolloutEngine, version: int) -> None:
-    if not isinstance(actor, TrainingEngine):  # a trainer group: rank 0 gathers the weights
-        return scale_out.publish(actor, rollout, version)
-    from furlong.rl.handoff import trainer_weights  # the host copy while the trainer sleeps
-
-    rollout.update_weights(trainer_weights(actor), version)
 
 
 def _episode_metrics(episodes: list[Episode], seconds: float) -> dict[str, float]:
@@ -413,7 +407,7 @@ def _minibatches(config: RLConfig, n: int) -> list[range]:
 
 
 def _train_actor(
-    config: RLConfig, actor: TrainingEngine, episodes: list[Episode], advantages: list
+    config: RLConfig, actor: Trainer, episodes: list[Episode], advantages: list
 ) -> dict[str, float]:
     algo, ro = config.algo, config.rollout
     adam = AdamParams(learning_rate=algo.learning_rate, grad_clip_norm=algo.grad_clip_norm)

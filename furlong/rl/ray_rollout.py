@@ -140,14 +140,6 @@ class RayRollout:
         self._all("update_weights", ref, version)
         return version
 
-    def publish_from(self, trainer: Any, version: int) -> int:
-        """Weights straight from rank 0 of a Ray trainer group to every engine (the gather is a
-        collective: every rank takes part, rank 0's result is the weights)."""
-        refs = trainer.call_refs("full_weights")
-        self.update_weights(refs[0], version)
-        ray.get(refs[1:])
-        return version
-
     def pause(self, mode: PauseMode = "retract") -> None:
         self._all("pause", mode)
 

@@ -96,6 +96,14 @@ class RayTrainerGroup(GroupAPI):
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return ray.get(self.call_refs(method, *args, **kwargs))[0]
 
+    def weights(self) -> ray.ObjectRef:
+        """Rank 0's whole weights, left in Ray's object store: the Ray rollout engines read
+        them from there, nothing passes through the driver. The gather is a collective, so
+        every rank takes part."""
+        refs = self.call_refs("full_weights")
+        ray.get(refs[1:])
+        return refs[0]
+
     def call_refs(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         """Every rank's result as object refs (rank 0's first); nothing waits."""
         return [a.call.remote(method, args, kwargs) for a in self.actors]

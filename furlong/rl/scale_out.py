@@ -62,7 +62,9 @@ def build(
     m = config.model
     model = _weights_source(config, policy, tokenizer)
     gpus = m.device.startswith("cuda")
-    engine = EngineConfig(device="cuda" if gpus else m.device)  # each rank: its own GPU
+    engine = EngineConfig(  # each rank: its own GPU
+        device="cuda" if gpus else m.device, share_prefixes=config.algo.share_prefixes
+    )
     if getattr(config, "optimizer", None) is not None:
         engine = dataclasses.replace(engine, optimizer=config.optimizer)
     spec = RankSpec(model, seed=m.seed, dtype=m.dtype, config=engine)
@@ -81,15 +83,6 @@ def build(
         [plan.resources(b) for b in plan.engines],
     )
     return actor, ray_rollout.RayRollout(engines)
-
-
-def publish(actor: Any, rollout: Any, version: int) -> None:
-    """A trainer group's weights to the rollout side: rank 0 to the engines through Ray's
-    object store, or gathered into the loop's process for an in-process engine."""
-    if hasattr(rollout, "publish_from") and hasattr(actor, "call_refs"):
-        rollout.publish_from(actor, version)
-    else:
-        rollout.update_weights(actor.full_weights(), version)
 
 
 def step_metrics(rollout: Any) -> dict[str, float]:

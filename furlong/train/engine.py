@@ -431,10 +431,14 @@ class TrainingEngine:
         model = self.model if self._merged is None else self._merged()
         return save_hf_dir(model, self.tokenizer, path)
 
-    def rollout_weights(self) -> dict[str, torch.Tensor]:
-        """What a rollout engine needs to sample like this trainer: the trainable weights by
-        name, or every weight of the merged model for an adapter."""
-        self._check_awake("rollout_weights")
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What a rollout engine needs to sample like this trainer (``update_weights`` takes
+        it): the trainable weights by name (from the host backup while asleep under
+        colocation), or every weight of the merged model for an adapter."""
+        if self.host_weights is not None:
+            if self._merged is not None:
+                raise InputError("weights: an adapter engine is asleep; wake() it to merge")
+            return dict(self.host_weights)
         if self._merged is not None:
             return self._merged().state_dict()
         return {n: p.detach() for n, p in zip(self.param_names, self.params, strict=True)}

@@ -194,6 +194,10 @@ class GroupAPI(ABC):
         """The trainable weights by name, whole, on CPU (what a rollout engine takes)."""
         return self._call("full_weights")
 
+    def weights(self) -> Any:
+        """What a rollout engine takes to sample like the group: rank 0's whole weights."""
+        return self.full_weights()
+
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         return self._call("full_gradients")
 

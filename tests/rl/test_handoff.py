@@ -21,7 +21,6 @@ from furlong.rl.handoff import (
     HandoffConfig,
     LedgerError,
     trainer_bytes,
-    trainer_weights,
 )
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sampling import SamplingParams
@@ -101,7 +100,7 @@ def train_step(trainer: TrainingEngine, results) -> None:
 
 
 def update(trainer: TrainingEngine, rollout: EmbeddedEngine):
-    return lambda: rollout.update_weights(trainer_weights(trainer))
+    return lambda: rollout.update_weights(trainer.weights())
 
 
 def cycle(colo: Colocation, trainer, rollout, tokenizer) -> None:
@@ -211,7 +210,7 @@ def test_ledger_returns_to_baseline_and_rollout_follows_trainer(pair, base, mode
     for _ in range(3):
         cycle(colo, trainer, rollout, tokenizer)
         snapshots.append((colo.ledger.snapshot(), colo.ledger.current))
-        published = trainer_weights(trainer)
+        published = trainer.weights()
         live = dict(rollout.model.named_parameters())
         assert published.keys() == live.keys()
         assert all(torch.equal(live[n].data, t) for n, t in published.items())
@@ -222,7 +221,7 @@ def test_ledger_returns_to_baseline_and_rollout_follows_trainer(pair, base, mode
     assert rollout.weight_version == 4  # startup + 3 publications
 
     # the rollout generates as a fresh engine on the trained weights does
-    trained = {n: t.clone() for n, t in trainer_weights(trainer).items()}
+    trained = {n: t.clone() for n, t in trainer.weights().items()}
     assert not all(torch.equal(trained[n], p) for n, p in model.named_parameters())
     fresh_model = copy.deepcopy(model)
     fresh_model.load_state_dict(trained, strict=False)
