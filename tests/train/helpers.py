@@ -30,6 +30,30 @@ def random_datums(
     return datums
 
 
+def grouped_datums(seed: int, pad_id: int | None = None) -> list[Datum]:
+    """GRPO-like datums: two prompts (13 and 9 tokens) with 3 and 2 sampled continuations each,
+    plus a loner; ``pad_id``: the second continuation of each prompt holds it as a real token."""
+    g = torch.Generator().manual_seed(seed)
+    datums = []
+    for prompt_len, samples in ((13, 3), (9, 2), (6, 1)):
+        prompt = torch.randint(3, 700, (prompt_len,), generator=g)
+        for s in range(samples):
+            response = torch.randint(
+                3, 700, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g
+            )
+            if pad_id is not None and s == 1:
+                response[1] = pad_id
+            tokens = torch.cat([prompt, response])
+            n = len(tokens) - 1
+            inputs = {
+                "target_tokens": tokens[1:],
+                "logprobs": -torch.rand(n, generator=g) * 3 - 5,
+                "advantages": torch.randn(n, generator=g),
+            }
+            datums.append(Datum(tokens[:-1], inputs))
+    return datums
+
+
 def grads(e: TrainingEngine) -> dict[str, torch.Tensor]:
     return {
         n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))

@@ -11,34 +11,10 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from furlong.models import fast_forward
 from furlong.models.fast_forward import FastForward
-from furlong.types import Datum
 
-from .helpers import assert_close_dicts, engine, grads
+from .helpers import assert_close_dicts, engine, grads, grouped_datums
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _grpo_like(pad_id: int, seed: int = 0) -> list[Datum]:
-    """Three prompts with 3, 2 and 1 sampled responses; one response holds the pad id."""
-    g = torch.Generator().manual_seed(seed)
-    datums = []
-    for prompt_len, samples in ((11, 3), (7, 2), (5, 1)):
-        prompt = torch.randint(3, 700, (prompt_len,), generator=g)
-        for s in range(samples):
-            response = torch.randint(
-                3, 700, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g
-            )
-            if s == 1:
-                response[1] = pad_id
-            tokens = torch.cat([prompt, response])
-            n = len(tokens) - 1
-            inputs = {
-                "target_tokens": tokens[1:],
-                "logprobs": -torch.rand(n, generator=g) * 3 - 4,
-                "advantages": torch.randn(n, generator=g),
-            }
-            datums.append(Datum(tokens[:-1], inputs))
-    return datums
 
 
 @pytest.mark.parametrize("share_prefixes", [False, True], ids=["plain", "shared"])
@@ -49,7 +25,7 @@ def test_fast_trunk_equals_the_hf_decoder(preset: str, share_prefixes: bool, mon
     monkeypatch.setattr(FastForward, "hidden", lambda *a: calls.append(1) or real(*a))
     fast = engine(preset, share_prefixes=share_prefixes)
     hf = engine(preset, share_prefixes=share_prefixes, fast_forward=False)
-    datums = _grpo_like(fast.pad_token_id)
+    datums = grouped_datums(0, pad_id=fast.pad_token_id)
     a = hf.forward_backward(datums, "ppo")
     assert not calls
     b = fast.forward_backward(datums, "ppo")
@@ -93,7 +69,7 @@ def test_models_it_cannot_run_exactly_keep_the_hf_decoder(monkeypatch) -> None:
 
     calls = []
     monkeypatch.setattr(FastForward, "hidden", lambda *a: calls.append(1))
-    datums = _grpo_like(0)
+    datums = grouped_datums(0)
     engine("tiny-qwen3", gradient_checkpointing=True).forward_backward(datums, "ppo")
     base = engine("tiny-qwen3")
     spec = lora.LoraSpec(rank=4, train_mlp=True, train_attn=True, train_unembed=False)

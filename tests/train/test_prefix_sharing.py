@@ -7,34 +7,12 @@ import pytest
 import torch
 
 from furlong.train.prefix_sharing import plan_prefixes
-from furlong.types import Datum
 
-from .helpers import assert_close_dicts, engine, grads
-
-
-def _groups(seed: int) -> list[Datum]:
-    """Two prompts (13 and 9 tokens) with 3 and 2 sampled continuations each, plus a loner."""
-    g = torch.Generator().manual_seed(seed)
-    datums = []
-    for prompt_len, samples in ((13, 3), (9, 2), (6, 1)):
-        prompt = torch.randint(3, 700, (prompt_len,), generator=g)
-        for _ in range(samples):
-            response = torch.randint(
-                3, 700, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g
-            )
-            tokens = torch.cat([prompt, response])
-            n = len(tokens) - 1
-            inputs = {
-                "target_tokens": tokens[1:],
-                "logprobs": -torch.rand(n, generator=g) * 3 - 5,
-                "advantages": torch.randn(n, generator=g),
-            }
-            datums.append(Datum(tokens[:-1], inputs))
-    return datums
+from .helpers import assert_close_dicts, engine, grads, grouped_datums
 
 
 def test_the_plan_shares_each_prompt_once() -> None:
-    datums = _groups(0)
+    datums = grouped_datums(0)
     lengths = [len(d) for d in datums]
     ids = torch.zeros(len(datums), max(lengths), dtype=torch.long)
     for j, d in enumerate(datums):
@@ -57,7 +35,7 @@ def test_shared_prefix_pass_equals_the_plain_pass(preset: str, monkeypatch) -> N
     monkeypatch.setattr(
         engine_module, "shared_prefix_hidden", lambda *a: calls.append(1) or real(*a)
     )
-    datums = _groups(1)
+    datums = grouped_datums(1)
     plain, shared = engine(preset), engine(preset, share_prefixes=True)
     a = plain.forward_backward(datums, "ppo")
     assert not calls
