@@ -25,7 +25,6 @@ from furlong.rollout.sampling import SamplingParams
 from furlong.rollout.sglang_client import SGLangClient
 from furlong.train.distributed import DistributedEngine, init_distributed
 from furlong.train.engine import EngineConfig
-from furlong.train.group import pack, unpack
 from furlong.types import AdamParams
 
 
@@ -73,11 +72,11 @@ def main() -> None:
                 for e, a in zip(episodes, advantages, strict=True)
             ]
             print(f"step {step}: reward {rewards.mean():.2f}", flush=True)
-        box = [pack(data)]
+        box = [data]  # Datums pickle
         dist.broadcast_object_list(box, src=0)
-        out = trainer.forward_backward(unpack(box[0]), "importance_sampling")
+        out = trainer.forward_backward(box[0], "importance_sampling")
         stats = trainer.optim_step(AdamParams(learning_rate=1e-3, grad_clip_norm=1.0))
-        weights = trainer.full_weights()  # a collective: whole on rank 0, empty elsewhere
+        weights = trainer.weights()  # a collective: whole on rank 0, empty elsewhere
         if engine is not None:
             # the trainer scored the engine's samples with the same weights: fp32 ~1e-6
             gap = torch.cat(

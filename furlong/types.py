@@ -60,6 +60,10 @@ class Datum:
     def __len__(self) -> int:
         return int(self.model_input.numel())
 
+    def __reduce__(self) -> tuple:
+        # the read-only view of the inputs does not pickle: rebuild from a plain dict
+        return (type(self), (self.model_input, dict(self.loss_fn_inputs)))
+
     @classmethod
     def next_token(cls, tokens: Sequence[int] | torch.Tensor, **response: torch.Tensor) -> Datum:
         """Teacher forcing over ``tokens`` (prompt + response): ``model_input`` is

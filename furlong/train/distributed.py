@@ -1,8 +1,9 @@
 """One rank of a data-parallel TrainingEngine: FSDP2 (``fully_shard``) over torch.distributed.
 
-Same API and semantics as :class:`~furlong.train.engine.TrainingEngine`: each call's datums
-are split across ranks by tokens (``furlong.train.rank_split``), every rank runs the engine's
-own microbatch pass on its share, gradients are reduce-scattered as raw sums (FSDP's divide
+Same API and semantics as :class:`~furlong.train.engine.TrainingEngine`, which it is, with
+sharding and the :class:`FSDPRanks` strategy: each call's datums are split across ranks by
+tokens (``furlong.train.rank_split``), every rank runs the engine's own microbatch pass on its
+share, gradients are reduce-scattered as raw sums (FSDP's divide
 factor is 1: no averaging anywhere), and every rank returns the whole call's result, per-datum
 outputs in request order. ``optim_step`` clips by the global norm (the engine's step over
 sharded DTensor gradients reduces the norm across ranks).
@@ -20,7 +21,8 @@ reduced by FSDP's end-of-backward callback like any unit whose forward ran.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,12 +33,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from furlong.errors import InputError
-from furlong.models.loading import load_model
 from furlong.train import dist_checkpoint as dcp_state
-from furlong.train.engine import EngineConfig, TrainingEngine, call_metrics, collect_outputs
+from furlong.train.api import Info, StrPath
+from furlong.train.engine import EngineConfig, TrainingEngine
 from furlong.train.optim import build_optimizer
+from furlong.train.parallel import Results, collect_outputs
 from furlong.train.rank_split import rank_microbatches
-from furlong.types import AdamParams, Datum, ForwardResult
 
 
 def init_distributed(
@@ -83,7 +85,34 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> None:
     model.reshard()
 
 
-class DistributedEngine:
+class FSDPRanks:
+    """The FSDP2 strategy: this rank's share of every call (by tokens), the root unit
+    unsharded around each microbatch, and every rank's results on every rank."""
+
+    def __init__(self, model: FSDPModule, rank: int, world_size: int):
+        self.model, self.rank, self.world_size = model, rank, world_size
+
+    def microbatches(self, lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+        return rank_microbatches(lengths, self.world_size, token_budget)[self.rank]
+
+    @contextmanager
+    def around_microbatch(self) -> Iterator[None]:
+        self.model.unshard()  # the root unit: embeddings, final norm, head (see module doc)
+        yield
+        self.model.reshard()  # after backward FSDP already did; after forward-only we do
+
+    def gather(
+        self, loss_sum: float, results: Results, n: int
+    ) -> tuple[list[dict[str, torch.Tensor]], float]:
+        """Every rank's outputs, on every rank, in request order, each datum exactly once,
+        and the global loss sum (added in rank order, so every rank gets the same float)."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (loss_sum, results))
+        outputs = collect_outputs((r for _, part in gathered for r in part), n)
+        return outputs, sum(rank_loss for rank_loss, _ in gathered)
+
+
+class DistributedEngine(TrainingEngine):
     """This rank's part of an N-rank TrainingEngine (FSDP2). Build it on every rank."""
 
     def __init__(
@@ -108,158 +137,45 @@ class DistributedEngine:
         self.mesh = mesh or init_device_mesh(device.type, (self.world_size,))
         model.to(device)
         shard_model(model, self.mesh)
-        self.engine = TrainingEngine(model, tokenizer, config)  # over the sharded parameters
-        self.model = model
-
-    @classmethod
-    def from_pretrained(
-        cls,
-        spec: str | os.PathLike,
-        config: EngineConfig | None = None,
-        seed: int = 0,
-        dtype: torch.dtype = torch.float32,
-    ) -> DistributedEngine:
-        """Every rank loads the same preset (same seed) or HF directory, then shards it."""
-        model, tokenizer = load_model(spec, seed=seed, dtype=dtype)
-        return cls(model, tokenizer, config)
-
-    @property
-    def config(self) -> EngineConfig:
-        return self.engine.config
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
-    def param_names(self) -> list[str]:
-        return self.engine.param_names
-
-    @property
-    def step(self) -> int:
-        return self.engine.step
-
-    # ---------------------------------------------------------------- loss passes
-
-    def forward(
-        self,
-        datums: Sequence[Datum],
-        loss_fn: str,
-        loss_fn_config: Mapping[str, object] | None = None,
-        *,
-        temperature: float = 1.0,
-        sampling_masks: Sequence[Any] | None = None,
-        routed_experts: Sequence[Any] | None = None,
-    ) -> ForwardResult:
-        return self._run(
-            datums, loss_fn, loss_fn_config, temperature, sampling_masks, routed_experts, False
-        )
-
-    def forward_backward(
-        self,
-        datums: Sequence[Datum],
-        loss_fn: str,
-        loss_fn_config: Mapping[str, object] | None = None,
-        *,
-        temperature: float = 1.0,
-        sampling_masks: Sequence[Any] | None = None,
-        routed_experts: Sequence[Any] | None = None,
-    ) -> ForwardResult:
-        return self._run(
-            datums, loss_fn, loss_fn_config, temperature, sampling_masks, routed_experts, True
-        )
-
-    def _run(
-        self,
-        datums: Sequence[Datum],
-        loss_fn: str,
-        loss_fn_config: Mapping[str, object] | None,
-        temperature: float,
-        sampling_masks: Sequence[Any] | None,
-        routed_experts: Sequence[Any] | None,
-        backward: bool,
-    ) -> ForwardResult:
-        e = self.engine
-        call = e.prepare_call(
-            datums, loss_fn, loss_fn_config, temperature, sampling_masks, routed_experts, backward
-        )
-        pad = _padding_datum(datums[0])
-        plan = rank_microbatches(
-            [len(d) for d in datums], self.world_size, e.config.max_tokens_per_microbatch
-        )
-        loss_sum, results = 0.0, []
-        for group in plan[self.rank]:
-            self.model.unshard()  # the root unit: embeddings, final norm, head (see module doc)
-            total, outs = e.run_group(call, group, pad)
-            self.model.reshard()  # after backward FSDP already did; after forward-only we do
-            loss_sum += total
-            results += outs
-        outputs, loss_sum = _gather(loss_sum, results, len(datums))
-        return ForwardResult(outputs=outputs, metrics=call_metrics(datums, loss_sum))
-
-    # ---------------------------------------------------------------- optimizer
-
-    def optim_step(self, adam_params: AdamParams | None = None) -> dict[str, float]:
-        """The engine's step: over DTensor gradients the norm (and so the clip) is global."""
-        return self.engine.optim_step(adam_params)
-
-    def zero_grad(self) -> None:
-        self.engine.zero_grad()
+        ranks = FSDPRanks(model, self.rank, self.world_size)  # type: ignore[arg-type]
+        super().__init__(model, tokenizer, config, parallel=ranks)
 
     # ---------------------------------------------------------------- weights and state
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """The trainable weights by name, gathered whole on CPU on rank 0 (others: empty)."""
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The trainable weights by name, gathered whole on CPU on rank 0 (others: empty);
+        a collective: every rank calls it."""
         return dcp_state.full_weights(self.model, self.param_names)
+
+    full_weights = weights
 
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         """The accumulated gradients by name, whole, on every rank (for inspection)."""
         return {
             n: None if p.grad is None else dcp_state.unsharded(p.grad).cpu()
-            for n, p in zip(self.param_names, self.engine.params, strict=True)
+            for n, p in zip(self.param_names, self.params, strict=True)
         }
 
     def save_state(self, path: str | os.PathLike, info: Mapping[str, Any] | None = None) -> Path:
         """A torch.distributed.checkpoint directory that any number of ranks can load."""
-        e = self.engine
-        return dcp_state.save_state(path, self.model, e.optimizer, e.param_names, e.step, info)
+        return dcp_state.save_state(
+            path, self.model, self.optimizer, self.param_names, self.step, info
+        )
 
-    def load_state(
-        self,
-        path: str | os.PathLike,
-        optimizer: bool = True,
-        expect_info: Mapping[str, Any] | None = None,
-    ) -> None:
+    def load_state(self, path: StrPath, optimizer: bool = True, expect_info: Info = None) -> None:
         """Restore weights (and optimizer state) saved with any number of ranks; everything
         is checked before anything changes."""
-        e = self.engine
         state, step = dcp_state.load_state(
-            path, self.model, e.param_names, e.params, optimizer, expect_info
+            path, self.model, self.param_names, self.params, optimizer, expect_info
         )
-        e.zero_grad()
-        e.optimizer = build_optimizer(self.model, e.params, e.config.optimizer)
+        self.zero_grad()
+        self.optimizer = build_optimizer(self.model, self.params, self.config.optimizer)
         if state is not None:
-            e.optimizer.load_state_dict(state)
-        e.step = step
+            self.optimizer.load_state_dict(state)
+        self.step = step
 
     def export_hf(self, path: str | os.PathLike) -> Path:
         """Rank 0 gathers the full weights and writes a normal HF directory."""
         if self.tokenizer is None:
             raise InputError("export_hf: the engine has no tokenizer to export")
         return dcp_state.export_hf(path, self.model, self.tokenizer)
-
-
-def _padding_datum(like: Datum) -> Datum:
-    """One token shaped like ``like`` (so top-K targets concatenate); its mask is 0."""
-    return Datum(like.model_input[:1], {k: v[:1] for k, v in like.loss_fn_inputs.items()})
-
-
-def _gather(
-    loss_sum: float, results: list[tuple[int, dict[str, torch.Tensor]]], n: int
-) -> tuple[list[dict[str, torch.Tensor]], float]:
-    """Every rank's outputs, on every rank, in request order, each datum exactly once, and
-    the global loss sum (added in rank order, so every rank gets the same float)."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (loss_sum, results))
-    outputs = collect_outputs((r for _, part in gathered for r in part), n)
-    return outputs, sum(rank_loss for rank_loss, _ in gathered)

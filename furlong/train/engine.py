@@ -28,7 +28,8 @@ from furlong.errors import InputError
 from furlong.models.fast_forward import FastForward
 from furlong.models.loading import load_model, save_hf_dir
 from furlong.train import checkpoint as ckpt
-from furlong.train.batching import PADDING, Microbatch, collate, plan_microbatches
+from furlong.train.api import Info, LossCall, StrPath, Trainer
+from furlong.train.batching import PADDING, Microbatch, collate
 from furlong.train.filemap import is_file_backed
 from furlong.train.logprobs import (
     RowSupports,
@@ -38,6 +39,7 @@ from furlong.train.logprobs import (
 )
 from furlong.train.objectives import Objective, datum_losses
 from furlong.train.optim import OptimizerConfig, build_optimizer, optimizer_step
+from furlong.train.parallel import OneProcess, Parallel, Results
 from furlong.train.prefix_sharing import Trunk, plan_prefixes, shared_prefix_hidden
 from furlong.train.replay import concat_supports, row_supports
 from furlong.train.routing_replay import check_routing, forced_rows, replay_routing
@@ -61,7 +63,7 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class Call:
+class ValidCall:
     """A validated loss pass: what each of its microbatches needs besides the datum indices."""
 
     datums: Sequence[Datum]
@@ -73,20 +75,6 @@ class Call:
     routing: list[torch.Tensor | None] | None  # per datum: MoE routes to replay
 
 
-def collect_outputs(
-    results: Iterable[tuple[int, dict[str, torch.Tensor]]], n: int
-) -> list[dict[str, torch.Tensor]]:
-    """Per-datum outputs in request order, each datum exactly once."""
-    outputs: list[dict[str, torch.Tensor] | None] = [None] * n
-    for index, out in results:
-        if outputs[index] is not None:
-            raise RuntimeError(f"datum {index} produced two outputs in one call")
-        outputs[index] = out
-    if any(o is None for o in outputs):
-        raise RuntimeError("a datum produced no output")
-    return outputs  # type: ignore[return-value]
-
-
 def call_metrics(datums: Sequence[Datum], loss_sum: float) -> dict[str, float]:
     return {
         "loss:sum": loss_sum,
@@ -95,7 +83,13 @@ def call_metrics(datums: Sequence[Datum], loss_sum: float) -> dict[str, float]:
     }
 
 
-class TrainingEngine:
+def padding_datum(like: Datum) -> Datum:
+    """One token shaped like ``like`` (so top-K targets concatenate) whose mask is 0: what a
+    ``PADDING`` slot of a microbatch runs."""
+    return Datum(like.model_input[:1], {k: v[:1] for k, v in like.loss_fn_inputs.items()})
+
+
+class TrainingEngine(Trainer):
     """Trains one causal LM. Every loss, log-prob and gradient of furlong goes through here."""
 
     def __init__(
@@ -105,11 +99,14 @@ class TrainingEngine:
         config: EngineConfig | None = None,
         trainable: Sequence[tuple[str, torch.nn.Parameter]] | None = None,
         merged: Callable[[], torch.nn.Module] | None = None,
+        parallel: Parallel | None = None,
     ):
         """``trainable``: a subset of the model's parameters (e.g. a LoRA adapter's) by name;
         ``merged``: for an adapter, a plain model with it merged (what rollout engines and HF
-        exports get instead of the adapter)."""
+        exports get instead of the adapter); ``parallel``: how a pass spreads over processes
+        (default: all of it here; FSDP2 ranks: ``DistributedEngine``)."""
         self.config = config or EngineConfig()
+        self.parallel = parallel or OneProcess()
         self._merged = merged
         self.model = model.to(self.config.device)
         self.tokenizer = tokenizer
@@ -154,112 +151,47 @@ class TrainingEngine:
 
     # ---------------------------------------------------------------- loss passes
 
-    def forward(
-        self,
-        datums: Sequence[Datum],
-        loss_fn: str,
-        loss_fn_config: Mapping[str, object] | None = None,
-        *,
-        temperature: float = 1.0,
-        sampling_masks: Sequence[Any] | None = None,
-        routed_experts: Sequence[Any] | None = None,
-    ) -> ForwardResult:
-        """The loss pass without backward: real losses and log-probs, gradients untouched."""
-        return self._run(
-            datums,
-            loss_fn,
-            loss_fn_config,
-            temperature,
-            sampling_masks,
-            routed_experts,
-            backward=False,
-        )
-
-    def forward_backward(
-        self,
-        datums: Sequence[Datum],
-        loss_fn: str,
-        loss_fn_config: Mapping[str, object] | None = None,
-        *,
-        temperature: float = 1.0,
-        sampling_masks: Sequence[Any] | None = None,
-        routed_experts: Sequence[Any] | None = None,
-    ) -> ForwardResult:
-        """The loss pass; gradients of the raw sum accumulate until ``optim_step``.
-
-        ``sampling_masks`` (one per datum, or None) replays the rollout's kept sets: a mask of
-        ``n`` positions covers the datum's last ``n`` targets (the response), which are then
-        scored over their kept set instead of the whole vocabulary. ``routed_experts`` (one
-        ``[len(datum), layers, top_k]`` tensor per datum, or None) replays an MoE rollout's
-        expert choices (see ``furlong.train.routing_replay``)."""
-        return self._run(
-            datums,
-            loss_fn,
-            loss_fn_config,
-            temperature,
-            sampling_masks,
-            routed_experts,
-            backward=True,
-        )
-
-    def _run(
-        self,
-        datums: Sequence[Datum],
-        loss_fn: str,
-        loss_fn_config: Mapping[str, object] | None,
-        temperature: float,
-        sampling_masks: Sequence[Any] | None,
-        routed_experts: Sequence[Any] | None,
-        backward: bool,
-    ) -> ForwardResult:
-        self._check_awake("forward_backward" if backward else "forward")
-        call = self.prepare_call(
-            datums, loss_fn, loss_fn_config, temperature, sampling_masks, routed_experts, backward
-        )
+    def run_loss(self, call: LossCall) -> ForwardResult:
+        self._check_awake("forward_backward" if call.backward else "forward")
+        valid = self.validate(call)
+        lengths = [len(d) for d in call.datums]
+        pad = padding_datum(call.datums[0])
         loss_sum, results = 0.0, []
-        plan = plan_microbatches([len(d) for d in datums], self.config.max_tokens_per_microbatch)
+        plan = self.parallel.microbatches(lengths, self.config.max_tokens_per_microbatch)
         for k, group in enumerate(plan):
             if k:
                 turn_point()  # a shared server may run another tenant's unit here
-            total, outs = self.run_group(call, group)
+            with self.parallel.around_microbatch():
+                total, outs = self.run_group(valid, group, pad)
             loss_sum += total
             results += outs
-        return ForwardResult(collect_outputs(results, len(datums)), call_metrics(datums, loss_sum))
+        outputs, loss_sum = self.parallel.gather(loss_sum, results, len(call.datums))
+        return ForwardResult(outputs, call_metrics(call.datums, loss_sum))
 
-    def prepare_call(
-        self,
-        datums: Sequence[Datum],
-        loss_fn: str,
-        loss_fn_config: Mapping[str, object] | None,
-        temperature: float,
-        sampling_masks: Sequence[Any] | None,
-        routed_experts: Sequence[Any] | None,
-        backward: bool,
-    ) -> Call:
+    def validate(self, call: LossCall) -> ValidCall:
         """Validate a whole request (nothing runs or changes before it passes)."""
         objective, config = validate_batch(
-            datums,
-            loss_fn,
-            loss_fn_config,
+            call.datums,
+            call.loss_fn,
+            call.loss_fn_config,
             min(self.vocab_size, self.input_vocab_size),
             getattr(self.model.config, "max_position_embeddings", None),
         )
-        if not (isinstance(temperature, int | float) and temperature > 0):
-            raise InputError(f"temperature: must be > 0, got {temperature!r}")
-        supports = row_supports(datums, sampling_masks)
-        routing = check_routing(self.model, datums, routed_experts)
-        return Call(datums, objective, config, temperature, backward, supports, routing)
+        t = call.temperature
+        if not (isinstance(t, int | float) and t > 0):
+            raise InputError(f"temperature: must be > 0, got {t!r}")
+        supports = row_supports(call.datums, call.sampling_masks)
+        routing = check_routing(self.model, call.datums, call.routed_experts)
+        return ValidCall(call.datums, objective, config, t, call.backward, supports, routing)
 
-    def run_group(
-        self, call: Call, group: Sequence[int], pad: Datum | None = None
-    ) -> tuple[float, list[tuple[int, dict[str, torch.Tensor]]]]:
+    def run_group(self, call: ValidCall, group: Sequence[int], pad: Datum) -> tuple[float, Results]:
         """One microbatch of ``call``'s datums ``group``; ``PADDING`` slots (which fill ranks)
         take ``pad``, a datum whose mask is 0."""
         datums = [pad if i == PADDING else call.datums[i] for i in group]
         mb = collate(datums, group, call.objective.inputs, self.pad_token_id, self.config.device)
         supports = None
         if call.supports is not None:  # a padding datum is scored over the full vocabulary
-            pad_rows = None if pad is None else row_supports([pad], [None])[0]
+            pad_rows = row_supports([pad], [None])[0] if PADDING in group else None
             supports = concat_supports(
                 [pad_rows if i == PADDING else call.supports[i] for i in group]
             )
@@ -280,7 +212,7 @@ class TrainingEngine:
         backward: bool,
         supports: RowSupports | None = None,
         forced_routing: torch.Tensor | None = None,
-    ) -> tuple[float, list[tuple[int, dict[str, torch.Tensor]]]]:
+    ) -> tuple[float, Results]:
         """One forward (and backward) pass; per-datum outputs come back in the return value."""
         # replay spans backward too: activation checkpointing re-runs the routers there
         with torch.set_grad_enabled(backward), replay_routing(self.model, forced_routing):
@@ -387,12 +319,7 @@ class TrainingEngine:
             info=info,
         )
 
-    def load_state(
-        self,
-        path: str | os.PathLike,
-        optimizer: bool = True,
-        expect_info: Mapping[str, Any] | None = None,
-    ) -> None:
+    def load_state(self, path: StrPath, optimizer: bool = True, expect_info: Info = None) -> None:
         """Restore weights (and optimizer state): continuation is bit-identical.
 
         Everything (kind, ``expect_info`` against the saved info, names, shapes) is checked

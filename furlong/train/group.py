@@ -21,33 +21,34 @@ import socket
 import tempfile
 import traceback
 import weakref
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from furlong.errors import InputError
+from furlong.train.api import Info, LossCall, StrPath, Trainer
 from furlong.train.distributed import DistributedEngine, init_distributed
 from furlong.train.engine import EngineConfig
-from furlong.types import AdamParams, Datum, ForwardResult
+from furlong.types import AdamParams, ForwardResult
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # what a controller may call on the ranks (methods, or attributes read on rank 0)
 METHODS = frozenset(
     {
-        "forward",
-        "forward_backward",
+        "run_loss",
         "optim_step",
         "zero_grad",
         "save_state",
         "load_state",
         "export_hf",
+        "weights",
         "full_weights",
         "full_gradients",
         "step",
@@ -70,29 +71,6 @@ class RankSpec:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise InputError(f"dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
-
-
-class WireDatum(NamedTuple):
-    """A Datum as plain picklable parts (its mapping proxy does not pickle)."""
-
-    model_input: torch.Tensor
-    loss_fn_inputs: dict[str, torch.Tensor]
-
-
-def pack(datums: Any) -> Any:
-    if isinstance(datums, Datum):
-        return WireDatum(datums.model_input, dict(datums.loss_fn_inputs))
-    if isinstance(datums, list | tuple):
-        return [pack(d) for d in datums]
-    return datums
-
-
-def unpack(datums: Any) -> Any:
-    if isinstance(datums, WireDatum):
-        return Datum(datums.model_input, datums.loss_fn_inputs)
-    if isinstance(datums, list):
-        return [unpack(d) for d in datums]
-    return datums
 
 
 class RankWorker:
@@ -119,7 +97,6 @@ class RankWorker:
             raise InputError(f"method: {method!r} is not one of {sorted(METHODS)}")
         target = getattr(self.engine, method)
         if callable(target):
-            args = (unpack(args[0]), *args[1:]) if method.startswith("forward") else args
             target = target(*args, **(kwargs or {}))
         return target if self.rank == 0 else None
 
@@ -128,47 +105,15 @@ class RankWorker:
             dist.destroy_process_group()
 
 
-class GroupAPI(ABC):
+class GroupAPI(Trainer):
     """The TrainingEngine API over ``_call`` (every rank runs it; rank 0's result returns)."""
 
     @abstractmethod
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` on every rank; rank 0's result."""
 
-    def forward(
-        self,
-        datums: Sequence[Datum],
-        loss_fn: str,
-        loss_fn_config: Mapping[str, object] | None = None,
-        *,
-        temperature: float = 1.0,
-        sampling_masks: Sequence[Any] | None = None,
-        routed_experts: Sequence[Any] | None = None,
-    ) -> ForwardResult:
-        extra = dict(sampling_masks=sampling_masks, routed_experts=routed_experts)
-        return self._call(
-            "forward", pack(datums), loss_fn, loss_fn_config, temperature=temperature, **extra
-        )
-
-    def forward_backward(
-        self,
-        datums: Sequence[Datum],
-        loss_fn: str,
-        loss_fn_config: Mapping[str, object] | None = None,
-        *,
-        temperature: float = 1.0,
-        sampling_masks: Sequence[Any] | None = None,
-        routed_experts: Sequence[Any] | None = None,
-    ) -> ForwardResult:
-        extra = dict(sampling_masks=sampling_masks, routed_experts=routed_experts)
-        return self._call(
-            "forward_backward",
-            pack(datums),
-            loss_fn,
-            loss_fn_config,
-            temperature=temperature,
-            **extra,
-        )
+    def run_loss(self, call: LossCall) -> ForwardResult:
+        return self._call("run_loss", call)
 
     def optim_step(self, adam_params: AdamParams | None = None) -> dict[str, float]:
         return self._call("optim_step", adam_params)
@@ -179,24 +124,17 @@ class GroupAPI(ABC):
     def save_state(self, path: str | os.PathLike, info: Mapping[str, Any] | None = None) -> Path:
         return self._call("save_state", path, info)
 
-    def load_state(
-        self,
-        path: str | os.PathLike,
-        optimizer: bool = True,
-        expect_info: Mapping[str, Any] | None = None,
-    ) -> None:
+    def load_state(self, path: StrPath, optimizer: bool = True, expect_info: Info = None) -> None:
         self._call("load_state", path, optimizer, expect_info)
 
     def export_hf(self, path: str | os.PathLike) -> Path:
         return self._call("export_hf", path)
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """The trainable weights by name, whole, on CPU (what a rollout engine takes)."""
-        return self._call("full_weights")
-
     def weights(self) -> Any:
         """What a rollout engine takes to sample like the group: rank 0's whole weights."""
-        return self.full_weights()
+        return self._call("weights")
+
+    full_weights = weights
 
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         return self._call("full_gradients")
