@@ -26,7 +26,8 @@ from furlong.errors import InputError
 from furlong.server import proto
 from furlong.server.futures import Failure
 from furlong.server.ordering import Conflict
-from furlong.server.service import NotFound, Service, fingerprint
+from furlong.server.service import Service, fingerprint
+from furlong.server.sessions import NotFound
 from furlong.server.state import owner_id
 
 log = logging.getLogger("furlong.serve")
@@ -100,7 +101,7 @@ def create_app(
         try:
             return _validate(cls, body), digest
         except InputError as exc:
-            service.refuse(who, _loose_fields(body), exc, digest)
+            service.training.refuse(who, _loose_fields(body), exc, digest)
             raise
 
     def route(method: str, path: str) -> Callable:
@@ -127,7 +128,7 @@ def create_app(
     async def create_session(request: Request) -> dict:
         who = owner(request)
         await parse(request, tt.CreateSessionRequest)
-        return {"type": "create_session", "session_id": service.create_session(who)}
+        return {"type": "create_session", "session_id": service.sessions.create(who)}
 
     @route("POST", "/session_heartbeat")
     async def heartbeat(request: Request) -> dict:
@@ -159,13 +160,13 @@ def create_app(
     async def create_model(request: Request) -> dict:
         who = owner(request)
         req = await parse(request, tt.CreateModelRequest)
-        return {"request_id": service.create_model(who, req)}
+        return {"request_id": service.training.create_model(who, req)}
 
     @route("POST", "/get_info")
     async def get_info(request: Request) -> dict:
         who = owner(request)
         req = await parse(request, tt.GetInfoRequest)
-        return service.get_info(who, req.model_id)
+        return service.training.get_info(who, req.model_id)
 
     @route("POST", "/forward_backward")
     async def forward_backward(request: Request) -> dict:
@@ -175,31 +176,31 @@ def create_app(
         decoded = await run_in_threadpool(
             service.decode_forward_backward, body, encoding, max_body_bytes
         )
-        return {"request_id": service.forward_backward(who, decoded, fingerprint(body))}
+        return {"request_id": service.training.forward_backward(who, decoded, fingerprint(body))}
 
     @route("POST", "/optim_step")
     async def optim_step(request: Request) -> dict:
         who = owner(request)
         req, digest = await parse_seq_op(request, who, tt.OptimStepRequest)
-        return {"request_id": service.optim_step(who, req, digest)}
+        return {"request_id": service.training.optim_step(who, req, digest)}
 
     @route("POST", "/save_weights")
     async def save_weights(request: Request) -> dict:
         who = owner(request)
         req, digest = await parse_seq_op(request, who, tt.SaveWeightsRequest)
-        return {"request_id": service.save_weights(who, req, digest)}
+        return {"request_id": service.runs.save_weights(who, req, digest)}
 
     @route("POST", "/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict:
         who = owner(request)
         req, digest = await parse_seq_op(request, who, tt.SaveWeightsForSamplerRequest)
-        return {"request_id": service.save_weights_for_sampler(who, req, digest)}
+        return {"request_id": service.runs.save_weights_for_sampler(who, req, digest)}
 
     @route("POST", "/load_weights")
     async def load_weights(request: Request) -> dict:
         who = owner(request)
         req, digest = await parse_seq_op(request, who, tt.LoadWeightsRequest)
-        return {"request_id": service.load_weights(who, req, digest)}
+        return {"request_id": service.runs.load_weights(who, req, digest)}
 
     # ------------------------------------------------------------ sampling
 
@@ -207,18 +208,18 @@ def create_app(
     async def create_sampling_session(request: Request) -> dict:
         who = owner(request)
         req = await parse(request, tt.CreateSamplingSessionRequest)
-        sampler_id = await run_in_threadpool(service.create_sampling_session, who, req)
+        sampler_id = await run_in_threadpool(service.sampling.create_sampling_session, who, req)
         return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
     @route("GET", "/samplers/{sampler_id}")
     async def sampler(sampler_id: str, request: Request) -> dict:
-        return service.sampler_info(owner(request), sampler_id)
+        return service.sampling.sampler_info(owner(request), sampler_id)
 
     @route("POST", "/asample")
     async def asample(request: Request) -> dict:
         who = owner(request)
         req = await parse(request, tt.SampleRequest)
-        request_id, sequence_ids = service.sample(who, req)  # queues; never waits
+        request_id, sequence_ids = service.sampling.sample(who, req)  # queues; never waits
         return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
 
     # ------------------------------------------------------------ futures
@@ -245,7 +246,7 @@ def create_app(
     @route("GET", "/training_runs")
     async def training_runs(request: Request, offset: int = 0, limit: int = 100) -> dict:
         _check_page(offset, limit)
-        runs = service.training_runs(owner(request))
+        runs = service.runs.training_runs(owner(request))
         page = runs[offset : offset + limit]
         return {
             "training_runs": page,
@@ -254,18 +255,18 @@ def create_app(
 
     @route("GET", "/training_runs/{run_id}")
     async def training_run(run_id: str, request: Request) -> dict:
-        return service.training_run(owner(request), run_id)
+        return service.runs.training_run(owner(request), run_id)
 
     @route("GET", "/training_runs/{run_id}/checkpoints")
     async def run_checkpoints(run_id: str, request: Request) -> dict:
-        return {"checkpoints": service.checkpoints(owner(request), run_id)}
+        return {"checkpoints": service.runs.checkpoints(owner(request), run_id)}
 
     @route("GET", "/checkpoints")
     async def all_checkpoints(request: Request, offset: int = 0, limit: int = 100) -> dict:
         _check_page(offset, limit)
         who = owner(request)
-        runs = [r["training_run_id"] for r in service.training_runs(who)]
-        found = [c for run in runs for c in service.checkpoints(who, run)]
+        runs = [r["training_run_id"] for r in service.runs.training_runs(who)]
+        found = [c for run in runs for c in service.runs.checkpoints(who, run)]
         return {
             "checkpoints": found[offset : offset + limit],
             "cursor": {"offset": offset, "limit": limit, "total_count": len(found)},
@@ -273,7 +274,7 @@ def create_app(
 
     @route("DELETE", "/training_runs/{run_id}/checkpoints/{segment}/{name}")
     async def delete_checkpoint(run_id: str, segment: str, name: str, request: Request) -> dict:
-        service.delete_checkpoint(owner(request), run_id, segment, name)
+        service.runs.delete_checkpoint(owner(request), run_id, segment, name)
         return {}
 
     @route("POST", "/weights_info")
@@ -284,7 +285,7 @@ def create_app(
             path = pydantic.TypeAdapter(dict[str, Any]).validate_json(body)["tinker_path"]
         except (pydantic.ValidationError, KeyError):
             raise InputError("tinker_path: required") from None
-        return service.weights_info(who, path)
+        return service.runs.weights_info(who, path)
 
     return app
 

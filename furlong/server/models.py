@@ -119,6 +119,12 @@ class ModelPool:
         """The base's context (``max_position_embeddings``): prompt + samples must fit in it."""
         return getattr(self._loaded(name).model.config, "max_position_embeddings", None)
 
+    def check_served(self, name: str) -> None:
+        """An ``InputError`` naming ``base_model`` unless ``name`` is served (the wording
+        docs/tinker-service.md quotes)."""
+        if name not in self._bases:
+            raise InputError(f"base_model: {name!r} is not served; served: {self.names()}")
+
     def tokenizer_dir(self, name: str) -> Path:
         """A directory ``AutoTokenizer.from_pretrained`` loads offline (no ':' in the path)."""
         tokenizer_dir = self._loaded(name).tokenizer_dir
@@ -255,7 +261,7 @@ class TrainingModel:
         self,
         model_id: str,
         base: _Base,
-        engine: TrainingEngine,
+        engine: TrainingEngine | TrainerGroup,
         lock: threading.Lock,
         *,
         adapter: str | None,
@@ -332,11 +338,8 @@ class TrainingModel:
             with self._active():
                 if self._adapter is not None:
                     peft_lora.save_adapter(tmp, self.engine.model, self._adapter)
-                elif isinstance(self.engine, TrainerGroup):  # rank 0 gathers the weights
+                else:  # HF model + tokenizer files (a rank group's rank 0 gathers the weights)
                     self.engine.export_hf(tmp)
-                else:
-                    self.engine.model.save_pretrained(tmp)
-                    self._base.tokenizer.save_pretrained(tmp)
             (tmp / SNAPSHOT_META).write_text(json.dumps(meta, indent=1))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -348,8 +351,7 @@ class TrainingModel:
             self._removed = True
             if self._adapter is not None:
                 _drop_adapter(self._base, self._adapter)
-            if isinstance(self.engine, TrainerGroup):
-                self.engine.close()
+            self.engine.close()
 
 
 def sampling_model(pool: ModelPool, path: Path) -> tuple[torch.nn.Module, Any]:

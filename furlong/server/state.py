@@ -24,6 +24,7 @@ from typing import Any
 
 from furlong.errors import InputError
 from furlong.models.loading import recover_published
+from furlong.server.sessions import NotFound
 
 SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
@@ -78,6 +79,14 @@ class StateDir:
 
     def checkpoint_dir(self, ref: CheckpointRef) -> Path:
         return self.run_dir(ref.run_id) / ref.segment / ref.name
+
+    def owned_checkpoint(self, owner: str, ref: CheckpointRef) -> Path:
+        """``ref``'s directory, if it exists and its run is ``owner``'s."""
+        meta = self.read_run(ref.run_id)
+        path = self.checkpoint_dir(ref)
+        if meta is None or meta.get("owner") != owner or not path.is_dir():
+            raise NotFound(f"checkpoint {ref.uri!r}")
+        return path
 
     def write_run(self, run_id: str, meta: dict[str, Any]) -> None:
         """Atomically (temp file + rename) record a run's metadata."""

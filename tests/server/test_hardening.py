@@ -201,7 +201,7 @@ def test_a_small_sample_is_not_queued_behind_another_tenants_big_one(hardened) -
     light = sdk(url, "tml-light").create_sampling_client(base_model=BASE)
     prompt = tt.ModelInput.from_ints([7, 8, 9])
     big = heavy.sample(prompt, 64, tt.SamplingParams(max_tokens=16, seed=0, stop=[]))
-    feeder = service._base_samplers[BASE]
+    feeder = service.sampling._base_feeders[BASE]
     for _ in range(3000):  # the big request is queued before the small one comes
         if feeder.queued() > 0:
             break

@@ -64,7 +64,7 @@ def test_optimizer_state_on_disk_through_the_service(tmp_path) -> None:
                 training.forward_backward(data, "cross_entropy").result()
                 training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
             results[name] = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
-            (model,) = [e.model for e in service_impl.models.values() if e.model is not None]
+            model = service_impl.pool.get(training.model_id)
             tensors = [
                 v
                 for s in model.engine.optimizer.state.values()
