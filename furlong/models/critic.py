@@ -43,7 +43,21 @@ class ValueModel(torch.nn.Module):
         hidden_BTH = self.trunk(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
-        return self.value_head(hidden_BTH).squeeze(-1).float()
+        return self.head_values(hidden_BTH)
+
+    def head_values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 values of hidden states ``[..., H]`` -> ``[...]``."""
+        return self.value_head(hidden).squeeze(-1).float()
+
+    # what the TrainingEngine reads of a causal LM: the trunk is its decoder, no LM head
+    def get_decoder(self) -> torch.nn.Module:
+        return self.trunk
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.trunk.get_input_embeddings()
+
+    def get_output_embeddings(self) -> None:
+        return None
 
 
 def init_value_head(

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +28,9 @@ from furlong.rl.rollout_choice import check_choice
 from furlong.rl.scale_out import ScaleOut
 from furlong.rl.tasks import check_task
 from furlong.train.optim import OptimizerConfig
+
+if TYPE_CHECKING:
+    from furlong.rl.handoff import HandoffConfig
 
 
 @dataclass(frozen=True)
@@ -223,6 +227,9 @@ class RLConfig:
             raise InputError(f"algo.kl_coef: must be >= 0, got {a.kl_coef}")
         if self.critic.warmup_steps and not self.uses_critic:
             raise InputError("critic.warmup_steps: needs the critic (algo.advantage = 'gae')")
+        clip = self.critic.value_clip
+        if clip is not None and not (math.isfinite(clip) and clip > 0):
+            raise InputError(f"critic.value_clip: must be finite and > 0 (or None), got {clip}")
         try:  # checked even while off: a typo must not wait for the day it is switched on
             self.handoff().validate(has_critic=self.colocate.enabled and self.uses_critic)
         except InputError as exc:
@@ -246,7 +253,7 @@ class RLConfig:
             if on:
                 raise InputError(f"model.lora_rank: LoRA is not supported with {name} yet")
 
-    def handoff(self) -> Any:
+    def handoff(self) -> HandoffConfig:
         from furlong.rl.handoff import HandoffConfig
 
         c = self.colocate

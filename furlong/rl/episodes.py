@@ -10,17 +10,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
 from furlong.rl.tasks import Problem, Task
-from furlong.rollout.base import GenerateResult
+from furlong.rollout.base import GenerateResult, RolloutEngine
 from furlong.rollout.sampling import SamplingParams
 from furlong.types import Datum
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def render_prompt(tokenizer: Any, text: str) -> list[int]:
+
+def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """The user's message in the chat template, ready for the assistant's turn."""
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
@@ -43,14 +47,20 @@ class Episode:
     def response(self) -> list[int]:
         return self.result.output_ids
 
+    @cached_property
+    def logprobs_T(self) -> torch.Tensor:
+        """The rollout's log-prob of each response token, under the distribution it sampled
+        from (float32 ``[len(response)]``)."""
+        return torch.tensor(self.result.output_logprobs)
+
     def datum(self, inputs: dict[str, torch.Tensor]) -> Datum:
         """``inputs`` hold response-length tensors; prompt positions are zero-filled."""
         return Datum.next_token(self.prompt + self.response, **inputs)
 
 
 def generate_episodes(
-    engine: Any,
-    tokenizer: Any,
+    engine: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
     problems: Sequence[Problem],
     group_size: int,
     params: SamplingParams,

@@ -22,7 +22,9 @@ from typing import Any
 
 import ray
 import torch
+from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from furlong.models.loading import load_model
 from furlong.rollout.base import (
@@ -38,7 +40,9 @@ from furlong.rollout.codec import decode_results, encode_results, opt_in, payloa
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sampling import SamplingParams
 
-CALLS = frozenset({"generate", "update_weights", "pause", "resume", "abort", "offload", "onload"})
+CALLS = frozenset(
+    {"generate", "update_weights", "pause", "resume", "abort", "offload", "onload", "memory_bytes"}
+)
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ class RayRollout:
 
     def __init__(
         self,
-        engines: Sequence[Any],
+        engines: Sequence[ActorHandle],
         attempts: int = 3,
         restart_timeout_s: float = 600,
         fields: Sequence[str] | None = None,
@@ -164,6 +168,9 @@ class RayRollout:
                 total[k] += v
         return total
 
+    def metrics(self) -> dict[str, float]:
+        return {"rollout_restarts:max": float(self.restarts)}
+
     def close(self) -> None:
         for engine in self.engines:
             ray.kill(engine, no_restart=True)
@@ -204,8 +211,10 @@ class RayRollout:
 
 
 def start_engines(
-    spec: EngineSpec, strategies: Sequence[Any], resources: Sequence[dict]
-) -> list[Any]:
+    spec: EngineSpec,
+    strategies: Sequence[PlacementGroupSchedulingStrategy | None],
+    resources: Sequence[dict[str, float]],
+) -> list[ActorHandle]:
     """One restartable engine actor per scheduling strategy (placement-group bundle)."""
     actor = ray.remote(RolloutActor)
     job = ray.get_runtime_context().get_job_id()

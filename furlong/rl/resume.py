@@ -6,7 +6,7 @@ Layout under the run's ``out_dir``::
       latest                the name of the newest complete checkpoint (replaced atomically)
       step-000120/
         actor/              TrainingEngine.save_state: weights + optimizer state
-        actor_critic/       CriticEngine.save_state (algo.advantage = "gae" only)
+        actor_critic/       the critic's TrainingEngine.save_state (algo.advantage = "gae" only)
         reference/          the frozen reference, when one is kept and a warm-up ran (without
                             a warm-up it is the model as loaded, re-derived on resume)
         base/               a LoRA run's base model after its warm-up (an HF directory; the
@@ -35,15 +35,23 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from furlong.errors import InputError
 from furlong.models.loading import atomic_dir, publish_dir, recover_published, save_hf_dir
+from furlong.rl import critic as critic_mod
 from furlong.rl.config import RLConfig, load_config, to_toml
+from furlong.rl.scale_out import ScaleOut
 from furlong.train import checkpoint as ckpt
+from furlong.train.api import Trainer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from furlong.train.engine import TrainingEngine
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -103,10 +111,10 @@ def checkpoint_dir(out: Path, step: int) -> Path:
 def stage(
     out: Path,
     step: int,
-    actor: Any,
-    critic: Any,
-    reference: Any,
-    base: tuple[torch.nn.Module, Any] | None = None,
+    actor: Trainer,
+    critic: TrainingEngine | None,
+    reference: TrainingEngine | None,
+    base: tuple[torch.nn.Module, PreTrainedTokenizerBase] | None = None,
 ) -> Pending:
     """Write the engines' states into a temp checkpoint directory; ``reference`` is None when
     it need not be saved; ``base``: a LoRA actor's (model, tokenizer) when it was warmed up."""
@@ -114,7 +122,7 @@ def stage(
     try:
         actor.save_state(tmp / ACTOR, info=ACTOR_INFO)
         if critic is not None:
-            critic.save_state(tmp / CRITIC)
+            critic.save_state(tmp / CRITIC, info=critic_mod.INFO)
         if reference is not None:
             reference.save_state(tmp / REFERENCE)
         if base is not None:
@@ -172,7 +180,9 @@ def _write_durable(path: Path, text: str) -> None:
 # ---------------------------------------------------------------- resuming
 
 
-def prepare(config: RLConfig, scale: Any, resume: str | os.PathLike | None) -> Checkpoint | None:
+def prepare(
+    config: RLConfig, scale: ScaleOut, resume: str | os.PathLike | None
+) -> Checkpoint | None:
     """Check that this run can save and resume as asked; the checkpoint to resume from."""
     if config.run.save_every and scale.enabled:
         raise InputError(
@@ -209,7 +219,7 @@ def find_checkpoint(path: str | os.PathLike) -> Checkpoint:
     )
 
 
-def check_resumable(saved: Checkpoint, config: RLConfig, scale: Any) -> None:
+def check_resumable(saved: Checkpoint, config: RLConfig, scale: ScaleOut) -> None:
     """Refuse a resume that cannot repeat the saved run bit for bit."""
     if scale.enabled:
         raise InputError(
@@ -252,11 +262,15 @@ def model_source(saved: Checkpoint | None, name: str) -> str:
     return name
 
 
-def restore_actor(saved: Checkpoint, actor: Any) -> None:
+def restore_actor(saved: Checkpoint, actor: Trainer) -> None:
     actor.load_state(saved.path / ACTOR, expect_info=ACTOR_INFO)
 
 
-def restore_critic(saved: Checkpoint, critic: Any, from_actor: Callable[[], Any]) -> Any:
+def restore_critic(
+    saved: Checkpoint,
+    critic: TrainingEngine | None,
+    from_actor: Callable[[], TrainingEngine | None],
+) -> TrainingEngine | None:
     """The critic from its sibling directory; without one, a fresh critic on the actor's
     weights (``from_actor``): the run goes on, but no longer bit-identically."""
     if critic is None:
@@ -268,7 +282,7 @@ def restore_critic(saved: Checkpoint, critic: Any, from_actor: Callable[[], Any]
             stacklevel=2,
         )
         return from_actor()
-    critic.load_state(saved.path / CRITIC)
+    critic.load_state(saved.path / CRITIC, expect_info=critic_mod.INFO)
     return critic
 
 
@@ -287,7 +301,7 @@ def actor_model(saved: Checkpoint, like: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def restore_reference(saved: Checkpoint, reference: Any) -> None:
+def restore_reference(saved: Checkpoint, reference: TrainingEngine | None) -> None:
     """A saved reference replaces the re-derived one (the model as loaded, before a warm-up)."""
     if reference is not None and (saved.path / REFERENCE).is_dir():
         reference.load_state(saved.path / REFERENCE, optimizer=False)

@@ -16,7 +16,7 @@ import copy
 import math
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,12 +26,14 @@ from furlong.rollout.base import RolloutEngine, check_url
 from furlong.rollout.engine import EmbeddedEngine
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from furlong.rollout.sglang_client import SGLangClient
 
 ENGINES = ("embedded", "sglang", "ray")
 
 
-def check_choice(kind: Any, urls: Any, ray: str | None = None) -> list[str]:
+def check_choice(kind: object, urls: object, ray: str | None = None) -> list[str]:
     """Validate ``rollout.engine`` / ``rollout.urls`` (``ray``: ``scale.ray``) without
     contacting anything; returns the normalized URLs. Safe to call from config validation."""
     if kind not in ENGINES:
@@ -58,7 +60,7 @@ def build_rollout(
     kind: str,
     urls: Sequence[str],
     policy: torch.nn.Module,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     batch: int,
     *,
     staging_dir: str | os.PathLike | None = None,
@@ -80,7 +82,7 @@ def build_rollout(
 def _fleet(
     urls: list[str],
     policy: torch.nn.Module,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     batch: int,
     staging_dir: str | os.PathLike | None,
     timeout: float,
@@ -118,7 +120,9 @@ def routed_experts_shape(policy: torch.nn.Module) -> tuple[int, int] | None:
     return len(routers), int(policy.config.num_experts_per_tok)
 
 
-def _check_server(client: SGLangClient, i: int, policy: torch.nn.Module, staging_dir: Any) -> None:
+def _check_server(
+    client: SGLangClient, i: int, policy: torch.nn.Module, staging_dir: str | os.PathLike | None
+) -> None:
     """Server ``i`` answers and serves a model the policy's weights fit, as far as it says."""
     import httpx
 

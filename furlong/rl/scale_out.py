@@ -18,13 +18,20 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from furlong.errors import InputError
 from furlong.models.loading import save_hf_dir
+from furlong.rollout.base import RolloutEngine
 from furlong.rollout.engine import EmbeddedEngine
+from furlong.train.api import Trainer
 from furlong.train.engine import EngineConfig
 from furlong.train.group import RankSpec, TrainerGroup
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from furlong.rl.config import RLConfig
 
 
 @dataclass(frozen=True)
@@ -56,17 +63,19 @@ class ScaleOut:
 
 
 def build(
-    scale: ScaleOut, config: Any, policy: Any, tokenizer: Any, max_running: int
-) -> tuple[Any, Any]:
-    """``(actor, rollout)`` for the loop: a trainer group and its rollout engine(s)."""
+    scale: ScaleOut,
+    config: RLConfig,
+    policy: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    max_running: int,
+    engine_config: EngineConfig,
+) -> tuple[Trainer, RolloutEngine]:
+    """``(actor, rollout)`` for the loop: a trainer group and its rollout engine(s); every rank
+    builds its engine from ``engine_config``, on a GPU of its own under ``cuda``."""
     m = config.model
     model = _weights_source(config, policy, tokenizer)
     gpus = m.device.startswith("cuda")
-    engine = EngineConfig(  # each rank: its own GPU
-        device="cuda" if gpus else m.device, share_prefixes=config.algo.share_prefixes
-    )
-    if getattr(config, "optimizer", None) is not None:
-        engine = dataclasses.replace(engine, optimizer=config.optimizer)
+    engine = dataclasses.replace(engine_config, device="cuda" if gpus else m.device)
     spec = RankSpec(model, seed=m.seed, dtype=m.dtype, config=engine)
     if scale.ray is None:
         rollout = EmbeddedEngine(copy.deepcopy(policy), tokenizer, max_running=max_running)
@@ -85,19 +94,9 @@ def build(
     return actor, ray_rollout.RayRollout(engines)
 
 
-def step_metrics(rollout: Any) -> dict[str, float]:
-    restarts = getattr(rollout, "restarts", None)
-    return {} if restarts is None else {"rollout_restarts:max": float(restarts)}
-
-
-def close(actor: Any, rollout: Any) -> None:
-    for part in (rollout, actor):
-        stop = getattr(part, "close", None)
-        if callable(stop):
-            stop()
-
-
-def _weights_source(config: Any, policy: Any, tokenizer: Any) -> str:
+def _weights_source(
+    config: RLConfig, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+) -> str:
     if not config.warmup.steps:
         return config.model.name
     return str(save_hf_dir(policy, tokenizer, Path(config.run.out_dir) / "warmup_policy"))

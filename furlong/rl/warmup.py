@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -13,19 +13,23 @@ from tqdm import tqdm
 from furlong.rl.config import WarmupConfig
 from furlong.rl.episodes import generate_episodes, render_prompt
 from furlong.rl.tasks import Problem, Task
+from furlong.rollout.base import RolloutEngine
 from furlong.rollout.sampling import SamplingParams
 from furlong.train.engine import TrainingEngine
 from furlong.types import AdamParams, Datum
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def sft_datum(tokenizer: Any, problem: Problem, scale: float = 1.0) -> Datum:
+
+def sft_datum(tokenizer: PreTrainedTokenizerBase, problem: Problem, scale: float = 1.0) -> Datum:
     """The chat-formatted problem with its answer; weight ``scale`` on the answer tokens."""
     prompt = render_prompt(tokenizer, problem.prompt)
     answer = answer_ids(tokenizer, problem)
     return Datum.next_token(prompt + answer, weights=torch.full((len(answer),), scale))
 
 
-def answer_ids(tokenizer: Any, problem: Problem) -> list[int]:
+def answer_ids(tokenizer: PreTrainedTokenizerBase, problem: Problem) -> list[int]:
     return tokenizer(problem.answer + tokenizer.eos_token)["input_ids"]
 
 
@@ -53,8 +57,8 @@ def supervised_warmup(
 
 
 def evaluate(
-    rollout: Any,
-    tokenizer: Any,
+    rollout: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
     task: Task,
     problems: Sequence[Problem],
     params: SamplingParams,
@@ -63,15 +67,15 @@ def evaluate(
     """Held-out accuracy (mean reward): greedy, and pass@1 sampled with the rollout's own
     settings averaged over ``samples`` draws per problem (fixed seeds: comparable across
     evaluations)."""
+
+    def accuracy(settings: SamplingParams, draws: int) -> float:
+        episodes = generate_episodes(rollout, tokenizer, problems, draws, settings, task)
+        return sum(e.reward for e in episodes) / len(episodes)
+
     greedy = dataclasses.replace(params, temperature=0.0, top_k=0, top_p=1.0, seed=None)
     greedy = dataclasses.replace(greedy, return_sampling_mask=False)
-    out = {"eval_greedy": _accuracy(rollout, tokenizer, task, problems, greedy, 1)}
+    out = {"eval_greedy": accuracy(greedy, 1)}
     if samples:
         sampled = dataclasses.replace(params, seed=12345, return_sampling_mask=False)
-        out["eval_pass1"] = _accuracy(rollout, tokenizer, task, problems, sampled, samples)
+        out["eval_pass1"] = accuracy(sampled, samples)
     return out
-
-
-def _accuracy(rollout, tokenizer, task, problems, params, samples) -> float:
-    episodes = generate_episodes(rollout, tokenizer, problems, samples, params, task)
-    return sum(e.reward for e in episodes) / len(episodes)

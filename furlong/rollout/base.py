@@ -108,6 +108,15 @@ class RolloutEngine(Protocol):
         engine that cannot see its server's memory reports zeros."""
         ...
 
+    def metrics(self) -> dict[str, float]:
+        """Counters the RL loop logs with each step, named ``name:reduction`` (a Ray fleet's
+        engine restarts); empty for an engine with nothing to count."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine holds beyond this process (connections, Ray actors)."""
+        ...
+
 
 def no_memory() -> MemoryBytes:
     return {"weights": 0, "kv_cache": 0, "mirror": 0}

@@ -400,6 +400,12 @@ class EmbeddedEngine:
                 "mirror": sum(t.nbytes for t in self._host_weights.values()),
             }
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        """Nothing to release: the engine lives in this process."""
+
     # ---------------------------------------------------------------- worker
 
     def _wake(self) -> None:

@@ -286,6 +286,9 @@ class SGLangClient:
     def memory_bytes(self) -> MemoryBytes:
         return no_memory()  # the servers' memory is theirs: the ledger records events only
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def health(self) -> bool:
         """Every server answers ``/health``."""
         try:

@@ -25,6 +25,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from furlong.errors import InputError
+from furlong.models.critic import ValueModel
 from furlong.models.fast_forward import FastForward
 from furlong.models.loading import load_model, save_hf_dir
 from furlong.train import checkpoint as ckpt
@@ -37,7 +38,7 @@ from furlong.train.logprobs import (
     graph_connected_zero,
     head_logprobs,
 )
-from furlong.train.objectives import Objective, datum_losses
+from furlong.train.objectives import OBJECTIVES, VALUE_OBJECTIVES, Objective, datum_losses
 from furlong.train.optim import OptimizerConfig, build_optimizer, optimizer_step
 from furlong.train.parallel import OneProcess, Parallel, Results
 from furlong.train.prefix_sharing import Trunk, plan_prefixes, shared_prefix_hidden
@@ -128,8 +129,12 @@ class TrainingEngine(Trainer):
         # state tensors, in host memory; the live tensors are empty
         self.host_weights: dict[str, torch.Tensor] | None = None
         self._host_optim: list[dict[str, torch.Tensor]] = []
-        self.vocab_size = int(self.model.get_output_embeddings().out_features)
         self.input_vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        # a critic has a value head instead of the LM head, and trains the value objective
+        self.is_critic = isinstance(self.model, ValueModel)
+        self.objectives = VALUE_OBJECTIVES if self.is_critic else OBJECTIVES
+        lm_head = self.model.get_output_embeddings()
+        self.vocab_size = self.input_vocab_size if lm_head is None else int(lm_head.out_features)
         chunk = self.config.logprob_chunk_size
         self.chunk_size = auto_chunk_size(self.vocab_size) if chunk is None else chunk
         self.pad_token_id = int(getattr(model.config, "pad_token_id", None) or 0)
@@ -176,6 +181,7 @@ class TrainingEngine(Trainer):
             call.loss_fn_config,
             min(self.vocab_size, self.input_vocab_size),
             getattr(self.model.config, "max_position_embeddings", None),
+            self.objectives,
         )
         t = call.temperature
         if not (isinstance(t, int | float) and t > 0):
@@ -233,8 +239,9 @@ class TrainingEngine(Trainer):
                 total.backward()
         lp_parts = lp.detach().cpu().split(mb.lengths)
         per_datum = per_datum.detach().cpu()
+        name = objective.output  # logprobs, or a critic's values
         results = [
-            (index, {"logprobs": lp_parts[j].clone(), "loss": per_datum[j].clone()})
+            (index, {name: lp_parts[j].clone(), "loss": per_datum[j].clone()})
             for j, index in enumerate(mb.indices)
             if index != PADDING
         ]
@@ -272,15 +279,21 @@ class TrainingEngine(Trainer):
         temperature: float,
         supports: RowSupports | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        head = self.model.get_output_embeddings()
-        lp, _ = head_logprobs(
-            hidden,
-            head,
-            mb.targets,
-            temperature=temperature,
-            chunk_size=self.chunk_size,
-            supports=supports,
-        )
+        """The head's per-row output (log-probs of the targets, or a critic's values), the
+        objective's per-datum losses and their total."""
+        if self.is_critic:
+            head: torch.nn.Module = self.model.value_head
+            lp = self.model.head_values(hidden)
+        else:
+            head = self.model.get_output_embeddings()
+            lp, _ = head_logprobs(
+                hidden,
+                head,
+                mb.targets,
+                temperature=temperature,
+                chunk_size=self.chunk_size,
+                supports=supports,
+            )
         per_datum = datum_losses(
             objective, config, lp, mb.inputs, mb.mask, mb.segment, len(mb.indices)
         )

@@ -12,6 +12,12 @@ With ``lp`` the trainer's target log-probs, ``s`` the sampler's log-probs, ``r =
 | dro                   | -sum m * (lp A - beta/2 (lp - s)^2)  | beta 0.05                      |
 
 Thresholds are absolute ratio bounds, not epsilons. Nothing here normalizes: the caller owns it.
+
+A critic (a model with a value head, ``furlong.models.critic.ValueModel``) trains through the
+same engine with the ``value`` objective, the only one a critic has (``VALUE_OBJECTIVES``).
+With ``v`` its values, ``R`` the returns and ``o`` the old values,
+``L_d = sum m * w * 1/2 * max((v - R)^2, (o + clip(v - o, -c, c) - R)^2)`` (``value_clip``
+``c``, default 0.2; 0 turns clipping off: ``w * 1/2 * (v - R)^2``).
 """
 
 from __future__ import annotations
@@ -54,6 +60,27 @@ def dro(lp: torch.Tensor, x: Mapping[str, torch.Tensor], cfg: Mapping[str, float
     return -(lp * x["advantages"] - 0.5 * cfg["beta"] * (lp - x["logprobs"]) ** 2)
 
 
+def value_loss(
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    old_values: torch.Tensor,
+    weights: torch.Tensor,
+    clip: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token ``w·½·max((v−R)², (old + clamp(v−old, −c, c) − R)²)`` (``w·½·(v−R)²`` when
+    ``clip`` is None), and where the clipped branch is strictly the larger one."""
+    unclipped = (values - returns).square()
+    if clip is None:
+        return 0.5 * weights * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    clipped = (old_values + (values - old_values).clamp(-clip, clip) - returns).square()
+    return 0.5 * weights * torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def value(v: torch.Tensor, x: Mapping[str, torch.Tensor], cfg: Mapping[str, float]):
+    clip = cfg["value_clip"] or None  # 0: off
+    return value_loss(v, x["returns"], x["old_values"], x["weights"], clip)[0]
+
+
 @dataclass(frozen=True)
 class Objective:
     name: str
@@ -61,6 +88,12 @@ class Objective:
     inputs: tuple[str, ...]  # per-token loss_fn_inputs read besides target_tokens
     defaults: Mapping[str, float] = field(default_factory=dict)
     top_k_targets: bool = False  # accepts [T, K] targets (the 2-D cross_entropy form)
+    head: str = "policy"  # policy: log-probs of the targets (LM head); value: a value head
+
+    @property
+    def output(self) -> str:
+        """The per-datum output the head produces: ``logprobs`` or ``values``."""
+        return "values" if self.head == "value" else "logprobs"
 
     def resolve_config(self, config: Mapping[str, object] | None) -> dict[str, float]:
         """Defaults overlaid with the request's values; unknown keys are ignored (upstream)."""
@@ -79,8 +112,9 @@ class Objective:
                 f"loss_fn_config: need 0 <= clip_low_threshold <= clip_high_threshold "
                 f"(absolute ratio bounds), got {lo} and {hi}"
             )
-        if resolved.get("beta", 0.0) < 0:
-            raise InputError(f"loss_fn_config['beta']: must be >= 0, got {resolved['beta']}")
+        for key in ("beta", "value_clip"):
+            if resolved.get(key, 0.0) < 0:
+                raise InputError(f"loss_fn_config[{key!r}]: must be >= 0, got {resolved[key]}")
         return resolved
 
 
@@ -104,14 +138,19 @@ OBJECTIVES: dict[str, Objective] = {
         Objective("dro", dro, ("logprobs", "advantages"), {"beta": 0.05}),
     )
 }
+# what a critic (a value head instead of the LM head) trains with
+VALUE_OBJECTIVES: dict[str, Objective] = {
+    "value": Objective(
+        "value", value, ("returns", "old_values", "weights"), {"value_clip": 0.2}, head="value"
+    )
+}
 
 
-def get_objective(name: object) -> Objective:
-    if not isinstance(name, str) or name not in OBJECTIVES:
-        raise InputError(
-            f"loss_fn: unknown objective {name!r}; expected one of {sorted(OBJECTIVES)}"
-        )
-    return OBJECTIVES[name]
+def get_objective(name: object, registry: Mapping[str, Objective] = OBJECTIVES) -> Objective:
+    """``registry``: the objectives the model's head has (a critic's: ``VALUE_OBJECTIVES``)."""
+    if not isinstance(name, str) or name not in registry:
+        raise InputError(f"loss_fn: unknown objective {name!r}; expected one of {sorted(registry)}")
+    return registry[name]
 
 
 def datum_losses(
@@ -125,8 +164,9 @@ def datum_losses(
 ) -> torch.Tensor:
     """Raw per-datum loss sums ``[num_datums]`` (fp32) from per-token rows.
 
-    ``lp`` is ``[R]`` or ``[R, K]``; ``inputs`` hold the same shapes; ``mask`` ``[R]`` is the
-    datum mask ``m``; ``segment`` ``[R]`` maps each row to its datum.
+    ``lp`` is ``[R]`` or ``[R, K]`` (a critic's: its values ``[R]``); ``inputs`` hold the same
+    shapes; ``mask`` ``[R]`` is the datum mask ``m``; ``segment`` ``[R]`` maps each row to its
+    datum.
     """
     tokens = objective.token_loss(lp, inputs, config)
     if tokens.dim() == 2:

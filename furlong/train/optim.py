@@ -125,14 +125,6 @@ def build_optimizer(
     return CompositeOptimizer(config.kind, params, parts, store)
 
 
-def build_adamw(params: Sequence[torch.nn.Parameter]) -> torch.optim.AdamW:
-    """A plain AdamW (the critic's); hyper-parameters are overwritten before every step."""
-    d = AdamParams()
-    return torch.optim.AdamW(
-        params, lr=d.learning_rate, betas=(d.beta1, d.beta2), eps=d.eps, weight_decay=0.0
-    )
-
-
 def apply_adam_params(optimizer: torch.optim.Optimizer | CompositeOptimizer, adam: AdamParams):
     for group in optimizer.param_groups:
         group["lr"] = adam.learning_rate

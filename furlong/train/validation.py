@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from furlong.errors import InputError
-from furlong.train.objectives import Objective, get_objective
+from furlong.train.objectives import OBJECTIVES, Objective, get_objective
 from furlong.types import Datum
 
 
@@ -26,9 +26,11 @@ def validate_batch(
     loss_fn_config: Mapping[str, object] | None,
     vocab_size: int,
     max_length: int | None = None,
+    objectives: Mapping[str, Objective] = OBJECTIVES,
 ) -> tuple[Objective, dict[str, float]]:
-    """Check a whole request; return the objective and its resolved config."""
-    objective = get_objective(loss_fn)
+    """Check a whole request; return the objective (one of ``objectives``: the model's head's)
+    and its resolved config."""
+    objective = get_objective(loss_fn, objectives)
     config = objective.resolve_config(loss_fn_config)
     if isinstance(datums, Datum) or not isinstance(datums, Sequence) or not datums:
         raise InputError("datums: expected a non-empty list of Datum")

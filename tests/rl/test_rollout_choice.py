@@ -117,6 +117,8 @@ PROTOCOL = [
     "offload",
     "onload",
     "memory_bytes",
+    "metrics",
+    "close",
 ]
 
 

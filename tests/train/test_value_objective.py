@@ -1,5 +1,6 @@
-"""CriticEngine: the clipped value loss by hand, values and gradients against an independent
-per-datum computation, microbatch independence, learning, checkpoints, and input validation."""
+"""The critic: a ValueModel trained by the TrainingEngine with the ``value`` objective. The
+clipped value loss by hand, values and gradients against an independent per-datum
+computation, microbatch independence, learning, checkpoints, and input validation."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import torch
 
 from furlong.errors import InputError
 from furlong.models.critic import critic_from_pretrained
-from furlong.train.critic_engine import CriticConfig, CriticEngine, value_loss
+from furlong.rl.config import CriticConfig, RLConfig
+from furlong.rl.critic import INFO
+from furlong.train.engine import EngineConfig, TrainingEngine
+from furlong.train.objectives import value_loss
 from furlong.types import AdamParams, Datum
 from tests.train.helpers import assert_close_dicts, grads, params
 
@@ -19,8 +23,9 @@ ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
 LENGTHS = [6, 3, 8]
 
 
-def make(seed: int = 0, **config: object) -> CriticEngine:
-    return CriticEngine(critic_from_pretrained("tiny-qwen3", seed=seed), CriticConfig(**config))
+def make(seed: int = 0, max_tokens_per_microbatch: int = 8192) -> TrainingEngine:
+    model = critic_from_pretrained("tiny-qwen3", seed=seed)
+    return TrainingEngine(model, None, EngineConfig(max_tokens_per_microbatch))
 
 
 def batch(lengths: list[int], seed: int = 0) -> tuple[list[Datum], list, list, list]:
@@ -36,6 +41,25 @@ def batch(lengths: list[int], seed: int = 0) -> tuple[list[Datum], list, list, l
         w[0] = 0.0
         weights.append(w)
     return datums, returns, old, weights
+
+
+def with_inputs(datums, returns, old, weights) -> list[Datum]:
+    """The value objective's per-token inputs on each datum."""
+    return [
+        Datum(d.model_input, {**d.loss_fn_inputs, "returns": r, "old_values": o, "weights": w})
+        for d, r, o, w in zip(datums, returns, old, weights, strict=True)
+    ]
+
+
+def train(e: TrainingEngine, datums, returns, old, weights, clip: float | None = 0.2) -> dict:
+    data = with_inputs(datums, returns, old, weights)
+    return e.forward_backward(data, "value", {"value_clip": clip or 0.0}).metrics
+
+
+def values(e: TrainingEngine, datums: list[Datum]) -> list[torch.Tensor]:
+    zeros = [torch.zeros(len(d)) for d in datums]
+    out = e.forward(with_inputs(datums, zeros, zeros, zeros), "value")
+    return [o["values"] for o in out.outputs]
 
 
 # ------------------------------------------------------------------- the loss by hand
@@ -69,16 +93,25 @@ def test_unclipped_value_loss_by_hand() -> None:
     torch.testing.assert_close(v.grad, torch.tensor([-1.0, 1.0, -0.5, -2.4]))
 
 
-@pytest.mark.parametrize("clip", [0.0, -0.1, float("nan"), True, "0.2"])
-def test_bad_value_clip_rejected(clip: object) -> None:
+@pytest.mark.parametrize("clip", [0.0, -0.1, float("nan"), float("inf")])
+def test_bad_value_clip_rejected_by_the_run_config(clip: float) -> None:
+    config = RLConfig(critic=CriticConfig(value_clip=clip))
+    with pytest.raises(InputError, match="critic.value_clip"):
+        config.validate()
+
+
+@pytest.mark.parametrize("clip", [-0.1, float("nan"), True, "0.2"])
+def test_bad_value_clip_rejected_by_the_objective(clip: object) -> None:
+    e = make()
+    datums, returns, old, weights = batch(LENGTHS)
     with pytest.raises(InputError, match="value_clip"):
-        CriticConfig(value_clip=clip)  # type: ignore[arg-type]
+        e.forward(with_inputs(datums, returns, old, weights), "value", {"value_clip": clip})
 
 
 # ------------------------------------------------------------------- the engine
 
 
-def independent_loss(e: CriticEngine, datums, returns, old, weights, clip) -> torch.Tensor:
+def independent_loss(e: TrainingEngine, datums, returns, old, weights, clip) -> torch.Tensor:
     """Per datum, unpadded, the formula written out with an explicit branch choice."""
     total = torch.zeros(())
     for d, r, o, w in zip(datums, returns, old, weights, strict=True):
@@ -95,26 +128,28 @@ def independent_loss(e: CriticEngine, datums, returns, old, weights, clip) -> to
 
 @pytest.mark.parametrize("clip", [0.2, None])
 def test_values_loss_and_grads_match_independent(clip: float | None) -> None:
-    e = make(max_tokens_per_microbatch=12, value_clip=clip)
+    e = make(max_tokens_per_microbatch=12)
     datums, returns, old, weights = batch(LENGTHS)
-    values = e.values(datums)
-    for d, v in zip(datums, values, strict=True):
+    values_ = values(e, datums)
+    for d, v in zip(datums, values_, strict=True):
         assert v.dtype == torch.float32 and v.shape == (len(d),) and not v.requires_grad
         with torch.no_grad():
             torch.testing.assert_close(v, e.model(d.model_input.unsqueeze(0))[0], atol=1e-6, rtol=0)
-    old = [v + o for v, o in zip(values, old, strict=True)]  # near the values: both branches
-    metrics = e.forward_backward(datums, returns, old, weights)
+    old = [v + o for v, o in zip(values_, old, strict=True)]  # near the values: both branches
+    data = with_inputs(datums, returns, old, weights)
+    out = e.forward_backward(data, "value", {"value_clip": clip or 0.0})
     got = grads(e)
     e.zero_grad()
     expected = independent_loss(e, datums, returns, old, weights, clip)
     expected.backward()
-    assert metrics["value_loss:sum"] == pytest.approx(float(expected.detach()), rel=1e-5)
+    assert out.metrics["loss:sum"] == pytest.approx(float(expected.detach()), rel=1e-5)
     assert_close_dicts(grads(e), got, rel=1e-5)
     assert float(got["value_head.weight"].abs().sum()) > 0
-    if clip is not None:
-        assert 0 < metrics["value_clipfrac:mean"] < 1
-    active = torch.cat(weights) != 0
-    assert metrics["values:mean"] == pytest.approx(float(torch.cat(values)[active].mean()), 1e-5)
+    for v, o in zip(values_, out.outputs, strict=True):  # the pass reports the values it fit
+        torch.testing.assert_close(o["values"], v, atol=1e-6, rtol=0)
+    if clip is not None:  # both branches win somewhere: the test exercises the clip
+        _, clipped = value_loss(*(torch.cat(x) for x in (values_, returns, old, weights)), clip)
+        assert 0 < float(clipped[torch.cat(weights) != 0].float().mean()) < 1
 
 
 def test_microbatch_budget_does_not_change_results() -> None:
@@ -122,9 +157,9 @@ def test_microbatch_budget_does_not_change_results() -> None:
     results = []
     for budget in (1, 0):  # every datum alone vs one padded pass
         e = make(max_tokens_per_microbatch=budget)
-        values = e.values(datums)
-        metrics = e.forward_backward(datums, returns, old, weights)
-        results.append((values, grads(e), metrics["value_loss:sum"]))
+        found = values(e, datums)
+        metrics = train(e, datums, returns, old, weights)
+        results.append((found, grads(e), metrics["loss:sum"]))
     (va, ga, la), (vb, gb, lb) = results
     for a, b in zip(va, vb, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
@@ -135,10 +170,10 @@ def test_microbatch_budget_does_not_change_results() -> None:
 def test_gradients_accumulate_across_calls() -> None:
     datums, returns, old, weights = batch(LENGTHS, seed=2)
     whole = make()
-    whole.forward_backward(datums, returns, old, weights)
+    train(whole, datums, returns, old, weights)
     parts = make()
-    parts.forward_backward(datums[:1], returns[:1], old[:1], weights[:1])
-    parts.forward_backward(datums[1:], returns[1:], old[1:], weights[1:])
+    train(parts, datums[:1], returns[:1], old[:1], weights[:1])
+    train(parts, datums[1:], returns[1:], old[1:], weights[1:])
     assert_close_dicts(grads(whole), grads(parts), rel=1e-6)
 
 
@@ -149,8 +184,8 @@ def test_training_fits_a_toy_target() -> None:
     weights = [torch.full((len(d),), 1.0 / sum(LENGTHS)) for d in datums]
     losses = []
     for _ in range(12):
-        old = e.values(datums)  # the usual PPO pattern: clip around this step's values
-        losses.append(e.forward_backward(datums, targets, old, weights)["value_loss:sum"])
+        old = values(e, datums)  # the usual PPO pattern: clip around this step's values
+        losses.append(train(e, datums, targets, old, weights)["loss:sum"])
         e.optim_step(ADAM)
     assert e.step == 12
     assert losses[-1] < 0.5 * losses[0]
@@ -160,16 +195,16 @@ def test_save_load_is_bit_identical(tmp_path: Path) -> None:
     datums, returns, old, weights = batch(LENGTHS, seed=4)
     a = make(seed=0)
     for _ in range(2):
-        a.forward_backward(datums, returns, old, weights)
+        train(a, datums, returns, old, weights)
         a.optim_step(ADAM)
-    path = a.save_state(tmp_path / "critic")
+    path = a.save_state(tmp_path / "critic", info=INFO)
     b = make(seed=7)  # another head init; the load overwrites it
     assert not torch.equal(params(a)["value_head.weight"], params(b)["value_head.weight"])
-    b.load_state(path)
+    b.load_state(path, expect_info=INFO)
     assert b.step == 2
-    assert all(torch.equal(x, y) for x, y in zip(a.values(datums), b.values(datums), strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(values(a, datums), values(b, datums), strict=True))
     for e in (a, b):
-        e.forward_backward(datums, returns, old, weights)
+        train(e, datums, returns, old, weights)
         e.optim_step(ADAM)
     pa, pb = params(a), params(b)
     assert "value_head.weight" in pa and "value_head.bias" in pa
@@ -183,7 +218,7 @@ def test_load_refuses_a_foreign_checkpoint(tmp_path: Path) -> None:
     e = make()
     before = params(e)
     with pytest.raises(InputError, match="role"):
-        e.load_state(tmp_path / "actor")
+        e.load_state(tmp_path / "actor", expect_info=INFO)
     assert all(torch.equal(before[n], p) for n, p in params(e).items())
 
 
@@ -195,30 +230,40 @@ def _bad_cases():
         xs[i] = xs[i].clone()
         xs[i][1] = float("nan")
 
+    def policy_target(b):  # the critic has no LM head: a policy objective is not its own
+        b.append("ppo")
+
     return [
         (
             "returns",
             lambda b: drop_last(b[1], 2),
-            r"returns\[2\]: 7 values for a datum of 8 tokens",
+            r"datum 2: loss_fn_inputs\['returns'\] has shape \(7,\), expected \(8,\)",
         ),
-        ("old_values", lambda b: nan(b[2], 1), r"old_values\[1\]: holds NaN or inf"),
-        ("weights", lambda b: b[3].pop(), r"weights: 2 entries for 3 datums"),
+        (
+            "old_values",
+            lambda b: nan(b[2], 1),
+            r"datum 1: loss_fn_inputs\['old_values'\] holds NaN",
+        ),
         (
             "weights",
             lambda b: b[3].__setitem__(0, torch.ones(6, 1)),
-            r"weights\[0\]: expected a 1-D",
+            r"datum 0: loss_fn_inputs\['weights'\] has shape \(6, 1\)",
         ),
         (
             "returns",
             lambda b: b[1].__setitem__(2, torch.tensor([1e39] * 8)),
-            r"returns\[2\]: holds",
+            r"datum 2: loss_fn_inputs\['returns'\] holds",
         ),
         (
             "datum",
             lambda b: b[0].__setitem__(2, Datum([3, 900, 4, 5, 6, 7, 8, 9])),
             r"datum 2: .*900",
         ),
-        ("datums", lambda b: b[0].clear(), r"datums: expected a non-empty list"),
+        (
+            "loss_fn",
+            policy_target,
+            r"loss_fn: unknown objective 'ppo'; expected one of \['value'\]",
+        ),
     ]
 
 
@@ -226,18 +271,23 @@ def _bad_cases():
 def test_bad_inputs_rejected_before_any_change(field: str, corrupt, message: str) -> None:
     e = make()
     good = batch(LENGTHS, seed=5)
-    e.forward_backward(*good)  # accumulated gradients that a bad call must not touch
+    train(e, *good)  # accumulated gradients that a bad call must not touch
     before_params, before_grads = params(e), grads(e)
     calls = []
     hook = e.model.register_forward_pre_hook(lambda *_: calls.append(1))
-    bad = tuple(list(x) for x in batch(LENGTHS, seed=5))
+    hook_trunk = e.model.trunk.register_forward_pre_hook(lambda *_: calls.append(1))
+    bad = [list(x) for x in batch(LENGTHS, seed=5)]
     corrupt(bad)
+    loss_fn = bad.pop() if len(bad) == 5 else "value"
     with pytest.raises(InputError, match=message):
-        e.forward_backward(*bad)
-    if field.startswith("datum"):
-        with pytest.raises(InputError, match=message):
-            e.values(bad[0])
+        e.forward_backward(with_inputs(*bad), loss_fn)
     hook.remove()
+    hook_trunk.remove()
     assert calls == []  # validated whole before the first forward
     assert all(torch.equal(before_params[n], p) for n, p in params(e).items())
     assert all(torch.equal(before_grads[n], g) for n, g in grads(e).items())
+
+
+def test_empty_request_rejected() -> None:
+    with pytest.raises(InputError, match="datums: expected a non-empty list"):
+        make().forward_backward([], "value")

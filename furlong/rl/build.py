@@ -1,0 +1,195 @@
+"""The parts of an RL run, built from its config before the first step.
+
+:func:`build_parts` loads the policy, runs the supervised warm-up, and builds the actor (every
+weight, or a LoRA adapter), the rollout engine (in process, an SGLang fleet, or with trainer
+ranks and Ray, see ``furlong.rl.scale_out``), the frozen KL reference, the critic and the
+colocated hand-off; on resume it puts the checkpoint's states into them. The loop
+(``furlong.rl.loop.train``) only drives the :class:`Parts` it returns.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from furlong.models.loading import load_model
+from furlong.models.moe import find_routers
+from furlong.rl import resume as resume_mod
+from furlong.rl import scale_out, warmup
+from furlong.rl.config import RLConfig
+from furlong.rl.critic import build_critic
+from furlong.rl.publish import publish_weights
+from furlong.rl.rollout_choice import build_rollout
+from furlong.rl.scale_out import ScaleOut
+from furlong.rl.tasks import Problem, Task, build_task
+from furlong.rollout.base import RolloutEngine
+from furlong.rollout.sampling import SamplingParams
+from furlong.train.api import Trainer
+from furlong.train.engine import EngineConfig, TrainingEngine
+from furlong.train.optim import OptimizerConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from furlong.rl.handoff import Colocation
+
+ADAPTER = "actor"  # the peft adapter's name in a LoRA run
+
+
+@dataclass
+class Parts:
+    """What the loop drives: the engines, the task and the sampling settings of one run."""
+
+    actor: Trainer
+    rollout: RolloutEngine
+    reference: TrainingEngine | None  # the frozen KL reference (algo.kl_coef or run.log_kl)
+    critic: TrainingEngine | None  # algo.advantage = "gae": a value head, the value loss
+    colocation: Colocation | None  # colocate.enabled: trainer and rollout take turns
+    task: Task
+    held_out: Sequence[Problem]  # the evaluation's problems
+    params: SamplingParams  # the rollout's settings (the loop sets each step's seed)
+    tokenizer: PreTrainedTokenizerBase
+    rng: random.Random  # the loop's: the warm-up and each step's problems draw from it
+    warmup_losses: list[float] = field(default_factory=list)  # per warm-up step, if one ran
+    # a LoRA run: its peft model (the adapter to export) and, after a warm-up, the base it
+    # adapts (model, tokenizer), which every checkpoint holds
+    adapter: torch.nn.Module | None = None
+    warmed_base: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None
+
+    def evaluate(self, samples: int) -> dict[str, float]:
+        """Held-out accuracy: greedy, and pass@1 over ``samples`` draws per problem."""
+        held_out, params = self.held_out, self.params
+        return warmup.evaluate(self.rollout, self.tokenizer, self.task, held_out, params, samples)
+
+
+def build_parts(config: RLConfig, scale: ScaleOut, saved: resume_mod.Checkpoint | None) -> Parts:
+    """The run's parts, seeded by ``run.seed``; ``saved``: the checkpoint to resume from (its
+    states restored, the generator states last), None for a fresh run."""
+    m, t, ro = config.model, config.task, config.rollout
+    rng = random.Random(config.run.seed)
+    torch.manual_seed(config.run.seed)
+    engine_config = EngineConfig(
+        device=m.device, optimizer=config.optimizer, share_prefixes=config.algo.share_prefixes
+    )
+    source = resume_mod.model_source(saved, m.name)  # a LoRA run's warmed-up base on resume
+    policy, tokenizer = load_model(source, seed=m.seed, dtype=getattr(torch, m.dtype))
+    policy = policy.to(m.device)
+    task = build_task(t.name, t.reward, t.path, t.max_a, t.max_b)
+    losses: list[float] = []
+    if config.warmup.steps and saved is None:  # a resumed run has its warm-up in the checkpoint
+        engine = TrainingEngine(policy, tokenizer, engine_config)
+        losses = warmup.supervised_warmup(engine, task, config.warmup, rng, config.run.progress)
+    batch = ro.prompts_per_step * ro.group_size
+    adapter = None
+    if scale.enabled:  # trainer ranks (with Ray, the engines too) in other processes
+        actor, rollout = scale_out.build(scale, config, policy, tokenizer, batch, engine_config)
+    else:
+        actor = _actor(config, policy, tokenizer, engine_config)  # a fresh optimizer for RL
+        adapter = actor.model if m.lora_rank else None
+        staging = ro.staging_dir or None
+        rollout = build_rollout(ro.engine, ro.urls, policy, tokenizer, batch, staging_dir=staging)
+    reference = _reference(config, policy, engine_config)
+    critic = build_critic(config, policy)
+    if saved is not None:  # the copies above started from the model as loaded
+        resume_mod.restore_reference(saved, reference)
+        critic = resume_mod.restore_critic(
+            saved, critic, lambda: build_critic(config, resume_mod.actor_model(saved, policy))
+        )
+    colocation = _colocation(config, actor, rollout, saved)  # a colocated actor loads in there
+    if saved is not None and colocation is None:
+        resume_mod.restore_actor(saved, actor)
+        publish_weights(actor, rollout, saved.weight_version)
+    if saved is not None:
+        resume_mod.restore_rng(saved, rng)  # last: the set-up above draws from torch's
+    return Parts(
+        actor=actor,
+        rollout=rollout,
+        reference=reference,
+        critic=critic,
+        colocation=colocation,
+        task=task,
+        held_out=task.eval[: t.eval_size] if t.eval_size else task.eval,
+        params=_sampling_params(config, policy),
+        tokenizer=tokenizer,
+        rng=rng,
+        warmup_losses=losses,
+        adapter=adapter,
+        warmed_base=(policy, tokenizer) if m.lora_rank and config.warmup.steps else None,
+    )
+
+
+def _sampling_params(config: RLConfig, policy: PreTrainedModel) -> SamplingParams:
+    ro = config.rollout
+    return SamplingParams(
+        max_tokens=ro.max_tokens,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        top_k=ro.top_k,
+        return_sampling_mask=ro.top_p < 1.0 or ro.top_k > 0,  # replay the kept sets
+        return_routed_experts=bool(find_routers(policy)),  # MoE: replay the routes (R3)
+    )
+
+
+def _actor(
+    config: RLConfig,
+    policy: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    engine_config: EngineConfig,
+) -> TrainingEngine:
+    """The trainer: every weight of the policy, or (``model.lora_rank``) a LoRA adapter on a
+    weight-sharing view of it, built by the same code as the Tinker service's adapters."""
+    m = config.model
+    if not m.lora_rank:
+        return TrainingEngine(policy, tokenizer, engine_config)
+    from furlong.train import lora
+
+    spec = lora.LoraSpec(
+        rank=m.lora_rank, train_mlp=m.lora_mlp, train_attn=m.lora_attn, train_unembed=m.lora_unembed
+    )
+    peft = lora.add_adapter(None, policy, ADAPTER, lora.peft_config(policy, spec), config.run.seed)
+    return TrainingEngine(
+        peft,
+        tokenizer,
+        engine_config,
+        trainable=lora.adapter_params(peft, ADAPTER),
+        merged=functools.partial(lora.merged_model, peft),
+    )
+
+
+def _reference(
+    config: RLConfig, policy: PreTrainedModel, engine_config: EngineConfig
+) -> TrainingEngine | None:
+    """A frozen copy of the policy as it is now, kept for the KL (or to log it)."""
+    if not (config.algo.kl_coef > 0 or config.run.log_kl):
+        return None
+    frozen = dataclasses.replace(engine_config, optimizer=OptimizerConfig())  # never steps
+    return TrainingEngine(copy.deepcopy(policy), None, frozen)
+
+
+def _colocation(
+    config: RLConfig,
+    actor: TrainingEngine,  # colocation runs one trainer in this process (scale.check)
+    rollout: RolloutEngine,
+    saved: resume_mod.Checkpoint | None,
+) -> Colocation | None:
+    """The hand-off's start-up: the trainer loads (on resume, the checkpoint's actor) and
+    sleeps, and the rollout takes its weights."""
+    if not config.colocate.enabled:
+        return None
+    from furlong.rl.handoff import Colocation
+
+    colocation = Colocation(actor, rollout, config.handoff(), has_critic=config.uses_critic)
+    if saved is None:
+        load, version = (lambda: None), 0
+    else:  # the contract's "trainer init + checkpoint load"
+        load = functools.partial(resume_mod.restore_actor, saved, actor)
+        version = saved.weight_version
+    colocation.startup(load, functools.partial(publish_weights, actor, rollout, version))
+    return colocation
