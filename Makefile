@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint docs bench clean
+.PHONY: install demo test test-fast lint docs bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check furlong tests benchmarks
 	$(PY) -m pytest -q
+
+# Everything but the tests marked slow (tests/conftest.py's SLOW list): the inner loop.
+test-fast: $(STAMP)
+	$(PY) -m ruff check furlong tests benchmarks
+	$(PY) -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(PY) -m ruff check furlong tests benchmarks

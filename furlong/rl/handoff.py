@@ -179,7 +179,7 @@ def _host(region: str | None, delta: int) -> dict[str, int]:
     return {region: delta}
 
 
-class Trainer(Protocol):
+class ColocatedTrainer(Protocol):
     """What the hand-off needs from the trainer (:class:`~furlong.train.engine.TrainingEngine`)."""
 
     params: list[torch.nn.Parameter]
@@ -222,7 +222,7 @@ class Colocation:
 
     def __init__(
         self,
-        trainer: Trainer,
+        trainer: ColocatedTrainer,
         rollout: RolloutEngine,
         config: HandoffConfig | None = None,
         ledger: ByteLedger | None = None,
@@ -358,7 +358,7 @@ class Colocation:
 # ---------------------------------------------------------------- measurements (read-only)
 
 
-def trainer_bytes(trainer: Trainer) -> int:
+def trainer_bytes(trainer: ColocatedTrainer) -> int:
     """Live bytes of the trainable parameters and their optimizer state (what ``sleep``
     moves); 0 while asleep."""
     total = 0

@@ -16,13 +16,10 @@ from furlong.rl import ray_rollout, tasks
 from furlong.rl.config import load_config
 from furlong.rl.loop import train
 from furlong.rl.scale_out import ScaleOut
+from tests.train.helpers import short_text
 
 KILL_AT_GENERATE = 3  # 1: evaluation before RL, 2: step 1, 3: step 2
 killed: list[str] = []
-
-
-def short_text(response: str, problem: tasks.Problem) -> float:
-    return -len(response) / 10
 
 
 def kill_mid_call(original):

@@ -8,8 +8,6 @@ import re
 import tomllib
 from pathlib import Path
 
-import pytest
-
 from furlong.demo import demo_config
 from furlong.rl.config import load_config
 from furlong.rl.loop import train
@@ -28,7 +26,6 @@ def test_the_docs_show_the_recipe_file() -> None:
     assert tomllib.loads(blocks[0]) == tomllib.loads(RECIPE.read_text())
 
 
-@pytest.mark.slow
 def test_a_short_budget_of_the_recipe_lifts_held_out_accuracy(tmp_path) -> None:
     config = load_config(
         RECIPE,

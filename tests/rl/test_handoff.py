@@ -25,8 +25,8 @@ from furlong.rl.handoff import (
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sampling import SamplingParams
 from furlong.train.engine import TrainingEngine
-from furlong.types import AdamParams, Datum
-from tests.train.helpers import random_datums
+from furlong.types import AdamParams
+from tests.train.helpers import random_datums, sequence_datum
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,12 +89,7 @@ def prompts(tokenizer) -> list[list[int]]:
 
 def train_step(trainer: TrainingEngine, results) -> None:
     """Cross-entropy on the sampled responses: a real step that changes the weights."""
-    data = []
-    for r in results:
-        tokens = torch.tensor(r.prompt_ids + r.output_ids)
-        weights = torch.zeros(len(tokens) - 1)
-        weights[len(r.prompt_ids) - 1 :] = 1.0
-        data.append(Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": weights}))
+    data = [sequence_datum(r.prompt_ids + r.output_ids, len(r.output_ids)) for r in results]
     trainer.forward_backward(data, "cross_entropy")
     trainer.optim_step(ADAM)
 

@@ -16,16 +16,6 @@ from furlong.rl.loop import train
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def short_text(response: str, problem: tasks.Problem) -> float:
-    """Dense and learnable from scratch: fewer characters is better."""
-    return -len(response) / 10
-
-
-@pytest.fixture
-def short_reward(monkeypatch):
-    monkeypatch.setitem(tasks.REWARDS, "short_text", short_text)
-
-
 def run(tmp_path, *overrides: str):
     config = load_config(
         None,

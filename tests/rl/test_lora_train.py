@@ -13,18 +13,11 @@ from transformers import AutoModelForCausalLM
 
 from furlong.errors import InputError
 from furlong.models import build_preset
-from furlong.rl import tasks
 from furlong.rl.config import load_config
 from furlong.rl.loop import train
-from tests.rl.test_loop import short_text
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "short_reward")
 IDS = torch.tensor([[5, 17, 300, 42, 9, 650]])
-
-
-@pytest.fixture(autouse=True)
-def short_reward(monkeypatch):
-    monkeypatch.setitem(tasks.REWARDS, "short_text", short_text)
 
 
 def lora_config(tmp_path, *extra: str):

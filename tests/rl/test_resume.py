@@ -21,12 +21,12 @@ from transformers import AutoModelForCausalLM
 from furlong import cli
 from furlong.errors import InputError
 from furlong.models import build_preset
-from furlong.rl import loop, tasks
+from furlong.rl import loop
 from furlong.rl.config import load_config
 from furlong.rl.loop import train
 from furlong.rl.scale_out import ScaleOut
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "short_reward")
 
 # wall-clock metrics: the only ones a resumed run may write differently
 TIMED = {"step_seconds", "rollout_tokens_per_s"}
@@ -52,15 +52,6 @@ PPO = [
     "warmup.batch_size=4",
     "colocate.enabled=true",
 ]
-
-
-def short_text(response: str, problem: tasks.Problem) -> float:
-    return -len(response) / 10
-
-
-@pytest.fixture(autouse=True)
-def short_reward(monkeypatch):
-    monkeypatch.setitem(tasks.REWARDS, "short_text", short_text)
 
 
 def config(out: Path, *overrides: str):

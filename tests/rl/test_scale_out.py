@@ -12,17 +12,11 @@ from transformers import AutoModelForCausalLM
 
 from furlong.cli import main
 from furlong.errors import InputError
-from furlong.rl import tasks
 from furlong.rl.placement import plan
 from furlong.rl.scale_out import ScaleOut
 
 
-def short_text(response: str, problem: tasks.Problem) -> float:
-    return -len(response) / 10
-
-
-def test_train_with_two_trainer_ranks(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setitem(tasks.REWARDS, "short_text", short_text)
+def test_train_with_two_trainer_ranks(tmp_path, short_reward, capsys) -> None:
     overrides = [
         "model.name=tiny-qwen3",
         "task.reward=short_text",

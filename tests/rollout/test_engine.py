@@ -12,7 +12,7 @@ from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sampling import SamplingParams
 from furlong.train.engine import TrainingEngine
 from furlong.train.logprobs import masked_token_logprobs
-from furlong.types import Datum
+from tests.train.helpers import sequence_datum
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -64,11 +64,7 @@ def test_logprobs_equal_teacher_forced_trainer_forward(
         prompts[:3], never_stop(max_tokens=10, seed=1, temperature=temperature)
     )
     trainer = TrainingEngine(model, tokenizer)
-    datums = []
-    for r in results:
-        tokens = r.prompt_ids + r.output_ids
-        weights = [0.0] * (len(r.prompt_ids) - 1) + [1.0] * len(r.output_ids)
-        datums.append(Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": weights}))
+    datums = [sequence_datum(r.prompt_ids + r.output_ids, len(r.output_ids)) for r in results]
     scored = trainer.forward(datums, "cross_entropy", temperature=temperature)
     for r, out in zip(results, scored.outputs, strict=True):
         trainer_lp = out["logprobs"][len(r.prompt_ids) - 1 :]
@@ -141,8 +137,7 @@ def test_update_weights_publishes_trainer_weights(tmp_path) -> None:
     params = never_stop(max_tokens=6, seed=0)
 
     def scored_by_trainer(r) -> torch.Tensor:
-        tokens = r.prompt_ids + r.output_ids
-        d = Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+        d = sequence_datum(r.prompt_ids + r.output_ids)
         return trainer.forward([d], "cross_entropy").outputs[0]["logprobs"][len(prompt) - 1 :]
 
     (before,) = engine.generate([prompt], params)

@@ -20,7 +20,7 @@ from furlong.rollout.codec import opt_in
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sessions.wire import sample_from_json
 from furlong.train.engine import TrainingEngine
-from furlong.types import Datum
+from tests.train.helpers import sequence_datum
 
 from .session_helpers import model, open_session, serve, turn
 
@@ -66,9 +66,7 @@ def test_trainer_logprobs_equal_the_engines_with_replay_only(mode: str) -> None:
     assert sample.routed_experts.shape[0] == tokens.numel() - 1
     assert int((sample.loss_mask == 0).sum()) > 0 and int(sample.loss_mask.sum()) >= 3
 
-    datum = Datum(
-        tokens[:-1], {"target_tokens": tokens[1:], "weights": torch.ones(len(tokens) - 1)}
-    )
+    datum = sequence_datum(tokens)
     sampled = sample.loss_mask > 0  # the model's tokens of all three turns
 
     def trainer_logprobs(routes) -> torch.Tensor:

@@ -1,9 +1,13 @@
-"""Small builders shared by the engine tests."""
+"""Small builders shared by the tests: engines, datums (random, GRPO-like grouped, or over
+given tokens), a reward stub for RL runs, and comparisons of parameter dicts."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from furlong.rl import tasks
 from furlong.train.engine import EngineConfig, TrainingEngine
 from furlong.types import Datum
 
@@ -52,6 +56,25 @@ def grouped_datums(seed: int, pad_id: int | None = None) -> list[Datum]:
             }
             datums.append(Datum(tokens[:-1], inputs))
     return datums
+
+
+def sequence_datum(
+    tokens: Sequence[int] | torch.Tensor,
+    scored: int | None = None,
+    logprobs: Sequence[float] | None = None,
+) -> Datum:
+    """Teacher forcing over ``tokens`` (e.g. a sampled prompt + response) that scores the last
+    ``scored`` targets (all by default): cross-entropy weight 1 there and 0 before, or with
+    ``logprobs`` (the sampler's, one per scored target) RL inputs with advantage 1 there."""
+    n = len(tokens) - 1 if scored is None else scored
+    if logprobs is None:
+        return Datum.next_token(tokens, weights=torch.ones(n))
+    return Datum.next_token(tokens, logprobs=torch.tensor(logprobs), advantages=torch.ones(n))
+
+
+def short_text(response: str, problem: tasks.Problem) -> float:
+    """A reward stub for RL runs, dense and learnable from scratch: fewer characters is better."""
+    return -len(response) / 10
 
 
 def grads(e: TrainingEngine) -> dict[str, torch.Tensor]:

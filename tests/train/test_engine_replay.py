@@ -12,8 +12,7 @@ from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sampling import SamplingParams
 from furlong.rollout.sampling_mask import SamplingMask
 from furlong.train.engine import EngineConfig, TrainingEngine
-from furlong.types import Datum
-from tests.train.helpers import grads
+from tests.train.helpers import grads, sequence_datum
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,20 +34,10 @@ def rollouts():
         for i in range(4)
     ]
     results = EmbeddedEngine(model, tokenizer).generate(prompts, params)
-    datums = []
-    for r in results:
-        tokens = r.prompt_ids + r.output_ids
-        n = len(r.output_ids)
-        datums.append(
-            Datum(
-                tokens[:-1],
-                {
-                    "target_tokens": tokens[1:],
-                    "logprobs": [0.0] * (len(tokens) - 1 - n) + r.output_logprobs,
-                    "advantages": [0.0] * (len(tokens) - 1 - n) + [1.0] * n,
-                },
-            )
-        )
+    datums = [
+        sequence_datum(r.prompt_ids + r.output_ids, len(r.output_ids), r.output_logprobs)
+        for r in results
+    ]
     return model, tokenizer, results, datums
 
 

@@ -15,7 +15,7 @@ from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sampling import SamplingParams
 from furlong.types import Datum
 
-from .helpers import assert_close_dicts, engine, grads, random_datums
+from .helpers import assert_close_dicts, engine, grads, random_datums, sequence_datum
 
 MOE = "tiny-qwen3-moe"
 
@@ -48,11 +48,7 @@ def test_rollout_routes_reproduce_the_rollouts_logprobs() -> None:
     datums, routes = [], []
     for r in results:
         tokens = r.prompt_ids + r.output_ids
-        n = len(r.output_ids)
-        weights = torch.cat([torch.zeros(len(tokens) - 1 - n), torch.ones(n)])
-        datums.append(
-            Datum(tokens[:-1], {"target_tokens": torch.tensor(tokens[1:]), "weights": weights})
-        )
+        datums.append(sequence_datum(tokens, len(r.output_ids)))
         routes.append(r.routed_experts)
         assert r.routed_experts.shape[0] == len(tokens) - 1
     out = trainer.forward(datums, "cross_entropy", routed_experts=routes)
