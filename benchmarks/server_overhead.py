@@ -73,9 +73,9 @@ def main() -> None:
         )
         ratios = []
         for _ in range(args.repeats):
-            start = time.perf_counter()  # on the service's compute thread: same thread pool
-            service.compute.submit(
-                local.forward_backward, data, "importance_sampling", None, False
+            start = time.perf_counter()  # through the service's compute lane, like a request
+            service.lane.submit(
+                "local", local.forward_backward, data, "importance_sampling", None, False
             ).result()
             direct = time.perf_counter() - start
             start = time.perf_counter()
