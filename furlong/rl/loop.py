@@ -306,9 +306,13 @@ def _token_scale(config: RLConfig, lengths: list[int]) -> list[float]:
     return [1.0 / (n * len(lengths)) for n in lengths]
 
 
-def _minibatches(config: RLConfig, n: int) -> list[range]:
+def _minibatches(config: RLConfig, episodes: list[Episode]) -> list[tuple[range, list[float]]]:
+    """Each optimizer step's episodes (``algo.minibatches`` equal parts, in order) and their
+    per-token loss scales."""
+    n = len(episodes)
     size = n // config.algo.minibatches
-    return [range(i, i + size) for i in range(0, n, size)]
+    parts = [range(i, i + size) for i in range(0, n, size)]
+    return [(p, _token_scale(config, [len(episodes[i].response) for i in p])) for p in parts]
 
 
 def _train_critic(
@@ -320,10 +324,7 @@ def _train_critic(
 ) -> dict[str, float]:
     """5. The critic's value loss toward the returns, one optimizer step per minibatch."""
     assert values_S is not None and returns_T is not None
-    plan = [
-        (part, _token_scale(config, [len(episodes[i].response) for i in part]))
-        for part in _minibatches(config, len(episodes))
-    ]
+    plan = _minibatches(config, episodes)
     return train_critic(config, critic, episodes, values_S, returns_T, plan)
 
 
@@ -334,14 +335,13 @@ def _train_actor(
     algo, ro = config.algo, config.rollout
     adam = AdamParams(learning_rate=algo.learning_rate, grad_clip_norm=algo.grad_clip_norm)
     metrics: dict[str, float] = {"actor_skipped:sum": 0.0}
-    for part in _minibatches(config, len(episodes)):
+    for part, scale in _minibatches(config, episodes):
         if not any(bool(advantages_T[i].any()) for i in part):
             # no learning signal (e.g. every group all right or all wrong): a zero gradient
             # would still move Adam's parameters through its momentum, so take no step
             metrics["actor_skipped:sum"] += 1
             continue
         chosen = [episodes[i] for i in part]
-        scale = _token_scale(config, [len(e.response) for e in chosen])
         data = [
             e.datum({"logprobs": e.logprobs_T, "advantages": advantages_T[i] * s})
             for i, e, s in zip(part, chosen, scale, strict=True)

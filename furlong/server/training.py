@@ -207,7 +207,7 @@ class TrainingRuns:
         run = self._runs.get(model_id) if isinstance(model_id, str) else None
         if run is None or run.owner != owner:
             return
-        if isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id >= 1:
+        if _is_seq(seq_id):
             run.log.refuse(seq_id, error, fingerprint)
 
     def forward_backward(self, owner: str, decoded: DecodedFwdBwd, fingerprint: bytes) -> str:
@@ -266,7 +266,11 @@ def optimizer_kind(config: Any) -> str:
     return kind
 
 
+def _is_seq(seq_id: object) -> bool:
+    return isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id >= 1
+
+
 def _seq(seq_id: int | None) -> int:
-    if not isinstance(seq_id, int) or isinstance(seq_id, bool) or seq_id < 1:
+    if not _is_seq(seq_id):
         raise InputError(f"seq_id: expected an integer >= 1, got {seq_id!r}")
-    return seq_id
+    return seq_id  # type: ignore[return-value]

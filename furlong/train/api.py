@@ -85,16 +85,14 @@ class Trainer(ABC):
     def zero_grad(self) -> None: ...
 
     @abstractmethod
-    def save_state(
-        self, path: str | os.PathLike, info: Mapping[str, Any] | None = None
-    ) -> Path: ...
+    def save_state(self, path: StrPath, info: Info = None) -> Path: ...
 
     @abstractmethod
     def load_state(self, path: StrPath, optimizer: bool = True, expect_info: Info = None) -> None:
         """Restore ``save_state``'s weights (and optimizer state); checked before any change."""
 
     @abstractmethod
-    def export_hf(self, path: str | os.PathLike) -> Path: ...
+    def export_hf(self, path: StrPath) -> Path: ...
 
     @abstractmethod
     def weights(self) -> Any:

@@ -21,7 +21,7 @@ reduced by FSDP's end-of-backward callback like any unit whose forward ran.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -156,7 +156,7 @@ class DistributedEngine(TrainingEngine):
             for n, p in zip(self.param_names, self.params, strict=True)
         }
 
-    def save_state(self, path: str | os.PathLike, info: Mapping[str, Any] | None = None) -> Path:
+    def save_state(self, path: StrPath, info: Info = None) -> Path:
         """A torch.distributed.checkpoint directory that any number of ranks can load."""
         return dcp_state.save_state(
             path, self.model, self.optimizer, self.param_names, self.step, info
@@ -174,7 +174,7 @@ class DistributedEngine(TrainingEngine):
             self.optimizer.load_state_dict(state)
         self.step = step
 
-    def export_hf(self, path: str | os.PathLike) -> Path:
+    def export_hf(self, path: StrPath) -> Path:
         """Rank 0 gathers the full weights and writes a normal HF directory."""
         if self.tokenizer is None:
             raise InputError("export_hf: the engine has no tokenizer to export")

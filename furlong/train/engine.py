@@ -160,14 +160,13 @@ class TrainingEngine(Trainer):
         self._check_awake("forward_backward" if call.backward else "forward")
         valid = self.validate(call)
         lengths = [len(d) for d in call.datums]
-        pad = padding_datum(call.datums[0])
         loss_sum, results = 0.0, []
         plan = self.parallel.microbatches(lengths, self.config.max_tokens_per_microbatch)
         for k, group in enumerate(plan):
             if k:
                 turn_point()  # a shared server may run another tenant's unit here
             with self.parallel.around_microbatch():
-                total, outs = self.run_group(valid, group, pad)
+                total, outs = self.run_group(valid, group)
             loss_sum += total
             results += outs
         outputs, loss_sum = self.parallel.gather(loss_sum, results, len(call.datums))
@@ -190,14 +189,15 @@ class TrainingEngine(Trainer):
         routing = check_routing(self.model, call.datums, call.routed_experts)
         return ValidCall(call.datums, objective, config, t, call.backward, supports, routing)
 
-    def run_group(self, call: ValidCall, group: Sequence[int], pad: Datum) -> tuple[float, Results]:
-        """One microbatch of ``call``'s datums ``group``; ``PADDING`` slots (which fill ranks)
-        take ``pad``, a datum whose mask is 0."""
+    def run_group(self, call: ValidCall, group: Sequence[int]) -> tuple[float, Results]:
+        """One microbatch of ``call``'s datums ``group``; ``PADDING`` slots (which keep ranks
+        in step) run a one-token datum whose mask is 0."""
+        pad = padding_datum(call.datums[0]) if PADDING in group else None
         datums = [pad if i == PADDING else call.datums[i] for i in group]
         mb = collate(datums, group, call.objective.inputs, self.pad_token_id, self.config.device)
         supports = None
         if call.supports is not None:  # a padding datum is scored over the full vocabulary
-            pad_rows = row_supports([pad], [None])[0] if PADDING in group else None
+            pad_rows = None if pad is None else row_supports([pad], [None])[0]
             supports = concat_supports(
                 [pad_rows if i == PADDING else call.supports[i] for i in group]
             )
@@ -318,7 +318,7 @@ class TrainingEngine(Trainer):
 
     # ---------------------------------------------------------------- state
 
-    def save_state(self, path: str | os.PathLike, info: Mapping[str, Any] | None = None) -> Path:
+    def save_state(self, path: StrPath, info: Info = None) -> Path:
         """Weights (the trainable subset, or the whole model) + optimizer state, atomically
         (temp dir + rename). ``info``: JSON values stored alongside, checked by ``load_state``."""
         self._check_awake("save_state")
@@ -362,7 +362,7 @@ class TrainingEngine(Trainer):
             self.optimizer.load_state_dict(opt_state)
         self.step = int(meta["step"]) if optimizer else 0
 
-    def export_hf(self, path: str | os.PathLike) -> Path:
+    def export_hf(self, path: StrPath) -> Path:
         """A normal HF directory that ``AutoModelForCausalLM.from_pretrained`` loads (an
         adapter merged into its base)."""
         self._check_awake("export_hf")

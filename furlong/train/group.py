@@ -121,13 +121,13 @@ class GroupAPI(Trainer):
     def zero_grad(self) -> None:
         self._call("zero_grad")
 
-    def save_state(self, path: str | os.PathLike, info: Mapping[str, Any] | None = None) -> Path:
+    def save_state(self, path: StrPath, info: Info = None) -> Path:
         return self._call("save_state", path, info)
 
     def load_state(self, path: StrPath, optimizer: bool = True, expect_info: Info = None) -> None:
         self._call("load_state", path, optimizer, expect_info)
 
-    def export_hf(self, path: str | os.PathLike) -> Path:
+    def export_hf(self, path: StrPath) -> Path:
         return self._call("export_hf", path)
 
     def weights(self) -> Any:
