@@ -17,14 +17,18 @@ DEMO = [
     "task.max_a=3",  # 3-digit strings: 1,000 problems, a fifth of them held out
     "task.reward=exact_match",
     "task.eval_size=100",
-    "warmup.steps=150",  # mid-way: the format learned, the reversal not yet (RL finishes it)
-    "warmup.learning_rate=3e-3",
+    # A noisy teacher: 70% of the demonstrations echo the digits instead of reversing them.
+    # A stable warm-up converges to imitating that mix (about 30% held-out, whatever the CPU's
+    # rounding); RL with the verifier then makes the rewarded behaviour the model's own.
+    "warmup.steps=300",
+    "warmup.learning_rate=1e-3",
+    "warmup.decoy_share=0.7",
     "rollout.prompts_per_step=16",
     "rollout.group_size=8",
     "rollout.max_tokens=6",
     "algo.learning_rate=5e-4",
-    "run.steps=150",
-    "run.eval_every=15",
+    "run.steps=100",
+    "run.eval_every=10",
 ]
 PPO = ["algo.advantage=gae", "algo.objective=ppo", "critic.warmup_steps=2"]
 

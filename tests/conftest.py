@@ -30,7 +30,7 @@ def one_thread():
 # a parameter id's start; tests/test_slow_list.py checks that each still names a test.
 SLOW = (
     # a recipe's budget, Ray clusters, killed-and-resumed runs, process groups, torchrun
-    "tests/rl/test_documented_configs.py::test_a_short_budget_of_the_recipe_lifts_held_out_accuracy",
+    "tests/rl/test_demo_robustness.py::test_a_short_budget_lifts_held_out_accuracy_under_every_rounding",
     "tests/rl/test_ray.py",  # also carries @pytest.mark.slow
     "tests/rl/test_resume.py",
     "tests/rl/test_scale_out.py::test_train_with_two_trainer_ranks",

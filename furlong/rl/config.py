@@ -69,6 +69,9 @@ class WarmupConfig:
     steps: int = 0  # cross-entropy steps on the train split (0: no warm-up)
     batch_size: int = 32  # problems per step
     learning_rate: float = 3e-3  # AdamW
+    # a noisy teacher: this share of demonstrations shows the problem's decoy (a plausible
+    # wrong answer) instead of its answer; the warm-up then imitates a mix RL can sharpen
+    decoy_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,9 @@ class RLConfig:
         ]:
             if value < 1:
                 raise InputError(f"{name}: must be >= 1, got {value}")
+        share = self.warmup.decoy_share
+        if not 0.0 <= share < 1.0:
+            raise InputError(f"warmup.decoy_share: must be in [0, 1), got {share}")
         self._check_lora()
         check_choice(self.rollout.engine, self.rollout.urls, self.scale.ray)
         if self.rollout.engine == "sglang" and self.scale.enabled:

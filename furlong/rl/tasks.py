@@ -2,7 +2,8 @@
 
 Built-in: ``addition``, ``largest`` and ``reverse`` (synthetic and verifiable; a stable fifth
 held out by hash) and ``jsonl`` (``{"prompt": ..., "answer": ...}`` per line, an optional
-``"split": "train" | "eval"``; without it every tenth line is held out).
+``"split": "train" | "eval"``; without it every tenth line is held out; an optional ``"decoy"``,
+a plausible wrong answer for ``warmup.decoy_share``).
 Rewards are looked up by name in :data:`REWARDS`.
 
 Plug-ins, slime-style: a ``task.name`` or ``task.reward`` holding a ``:`` is a function path
@@ -37,6 +38,9 @@ from furlong.errors import InputError
 class Problem:
     prompt: str  # the user's message (rendered with the chat template by the loop)
     answer: str  # what the verifier compares against
+    # a plausible wrong answer (reverse: the digits echoed), which a noisy warm-up teacher
+    # shows instead of the answer (warmup.decoy_share); "" where the task has none
+    decoy: str = ""
 
 
 Verifier = Callable[[str, Problem], float]
@@ -97,7 +101,8 @@ def largest(count: int = 4, held_out: float = 0.2) -> tuple[list, list]:
     train, held = [], []
     for n in range(10**count):
         digits = f"{n:0{count}d}"
-        problem = Problem(f"Which digit is largest: {' '.join(digits)}?", max(digits))
+        prompt = f"Which digit is largest: {' '.join(digits)}?"
+        problem = Problem(prompt, max(digits), decoy=min(digits))
         (held if _held_out(digits, held_out) else train).append(problem)
     return train, held
 
@@ -107,7 +112,7 @@ def reverse(count: int = 3, held_out: float = 0.2) -> tuple[list, list]:
     train, held = [], []
     for n in range(10**count):
         digits = f"{n:0{count}d}"
-        problem = Problem(f"Reverse {' '.join(digits)}", digits[::-1])
+        problem = Problem(f"Reverse {' '.join(digits)}", digits[::-1], decoy=digits)
         (held if _held_out(digits, held_out) else train).append(problem)
     return train, held
 
@@ -120,7 +125,7 @@ def jsonl(path: str | Path) -> tuple[list, list]:
             continue
         try:
             row = json.loads(line)
-            problem = Problem(str(row["prompt"]), str(row["answer"]))
+            problem = Problem(str(row["prompt"]), str(row["answer"]), str(row.get("decoy", "")))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise InputError(f"task.path: line {i + 1} of {path}: {e}") from None
         split = row.get("split")

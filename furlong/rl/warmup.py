@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
+from furlong.errors import InputError
 from furlong.rl.config import WarmupConfig
 from furlong.rl.episodes import generate_episodes, render_prompt
 from furlong.rl.tasks import Problem, Task
@@ -42,11 +43,18 @@ def supervised_warmup(
 ) -> list[float]:
     """``config.steps`` cross-entropy steps; the client-side normalization is per answer token.
     Returns the per-step mean loss."""
+    if config.decoy_share and not all(p.decoy for p in task.train):
+        raise InputError(
+            f"warmup.decoy_share: {config.decoy_share} needs a decoy answer for every problem; "
+            f"task {task.name!r} has none (built in: reverse, largest; jsonl: a 'decoy' field)"
+        )
     adam = AdamParams(learning_rate=config.learning_rate)
     losses = []
     bar = tqdm(range(config.steps), desc="warm-up", disable=not progress)
     for _ in bar:
-        problems = task.sample(config.batch_size, rng)
+        problems = [
+            _demonstration(p, config.decoy_share, rng) for p in task.sample(config.batch_size, rng)
+        ]
         total = sum(len(answer_ids(engine.tokenizer, p)) for p in problems)
         batch = [sft_datum(engine.tokenizer, p, 1.0 / total) for p in problems]
         out = engine.forward_backward(batch, "cross_entropy")
@@ -54,6 +62,13 @@ def supervised_warmup(
         losses.append(out.metrics["loss:sum"])
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     return losses
+
+
+def _demonstration(problem: Problem, decoy_share: float, rng: random.Random) -> Problem:
+    """The problem as the teacher shows it: its decoy in place of the answer, now and then."""
+    if decoy_share and rng.random() < decoy_share:
+        return dataclasses.replace(problem, answer=problem.decoy)
+    return problem
 
 
 def evaluate(

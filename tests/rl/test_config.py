@@ -61,6 +61,7 @@ def test_toml_then_overrides(tmp_path) -> None:
         (["model.dtype=float16"], "model.dtype: unknown 'float16'"),
         (["optimizer.state_store=disk"], "optimizer.disk_dir: required"),
         (["optimizer.kind=sgd"], "optimizer.kind: 'sgd' is not one of"),
+        (["warmup.decoy_share=1.0"], r"warmup.decoy_share: must be in \[0, 1\)"),
     ],
 )
 def test_validation_says_what_to_change(overrides, match) -> None:
