@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from furlong.errors import InputError
-from furlong.models.presets import PRESETS
+from furlong.models.pretrained import model_names
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -66,11 +66,34 @@ def _resume_config(args: argparse.Namespace) -> Any:
 def _init_model(args: argparse.Namespace) -> int:
     from furlong.models.loading import save_hf_dir
     from furlong.models.presets import build_preset
+    from furlong.models.pretrained import PRETRAINED
 
+    if args.preset in PRETRAINED:
+        return _copy_pretrained(args.preset, args.out)
     model, tokenizer = build_preset(args.preset, seed=args.seed)
     out = save_hf_dir(model, tokenizer, args.out)
     n = sum(p.numel() for p in model.parameters())
     print(f"wrote {args.preset} ({n:,} parameters, seed {args.seed}) to {out}")
+    return 0
+
+
+def _copy_pretrained(name: str, out: str) -> int:
+    """The cached directory (built on first use), copied whole and published atomically."""
+    import shutil
+
+    from furlong.models.loading import atomic_dir, publish_dir
+    from furlong.models.pretrained import MARKER, PRETRAINED, pretrained_dir
+
+    source = pretrained_dir(name)
+    tmp, final = atomic_dir(out)
+    try:
+        shutil.copytree(source, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MARKER))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_dir(tmp, final)
+    n = json.loads((source / MARKER).read_text())["parameters"]
+    print(f"wrote {name} ({n:,} parameters, {PRETRAINED[name].description}) to {final}")
     return 0
 
 
@@ -156,10 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(func=_train)
 
-    init = sub.add_parser("init-model", help="write a seeded tiny preset as an HF directory")
-    init.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    init = sub.add_parser(
+        "init-model",
+        help="write a seeded tiny preset, or the pretrained smollm2-135m, as an HF directory",
+    )
+    init.add_argument("--preset", required=True, choices=model_names())
     init.add_argument("--out", required=True)
-    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--seed", type=int, default=0, help="weights seed (tiny presets)")
     init.set_defaults(func=_init_model)
 
     rollout = sub.add_parser(

@@ -92,6 +92,17 @@ SLOW = (
     "tests/rollout/test_engine_control.py::test_offload_kv_cache_of_frozen_requests_then_resume",
     "tests/models/test_tokenizer.py::test_training_is_deterministic",
     "tests/test_host_memory.py",
+    # the pretrained smollm2-135m (built once into the user's cache; its cache hit stays fast)
+    "tests/models/test_smollm2.py::test_engine_logprobs_equal_an_hf_forward",
+    "tests/models/test_smollm2.py::test_gradients_equal_hf_autograd",
+    "tests/models/test_smollm2.py::test_rollout_logprobs_equal_teacher_forcing_and_stop_at_im_end",
+    "tests/models/test_smollm2.py::test_chatml_template_and_exact_round_trip",
+    "tests/models/test_smollm2.py::test_sft_steps_lower_held_out_nll",
+    "tests/models/test_smollm2.py::test_the_name_loads_in_the_dtype_asked",
+    "tests/models/test_smollm2.py::test_init_model_writes_the_cached_directory",
+    "tests/models/test_smollm2.py::test_serve_the_pretrained_model_to_the_tinker_sdk",
+    "tests/models/test_smollm2.py::test_without_the_wheel_the_error_names_the_package",
+    "tests/models/test_smollm2.py::test_a_wheel_with_the_wrong_hash_is_refused",
 )
 
 

@@ -1,5 +1,5 @@
-"""One loader for every place that takes a model: a preset name, a local HF directory, or a
-hub id (the last only where a network exists)."""
+"""One loader for every place that takes a model: a preset name, a pretrained name (built once
+into the cache), a local HF directory, or a hub id (the last only where a network exists)."""
 
 from __future__ import annotations
 
@@ -18,25 +18,33 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from furlong.errors import InputError
 from furlong.models.presets import PRESETS, build_preset
+from furlong.models.pretrained import PRETRAINED, model_names, pretrained_dir
 
 
 def _describe(spec: str) -> str:
     return (
-        f"model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}), "
+        f"model {spec!r} is neither a preset ({', '.join(model_names())}), "
         "a local HF directory, nor a reachable hub id"
     )
+
+
+def resolve(spec: str | os.PathLike) -> str:
+    """A pretrained name as its cached HF directory (built on first use); anything else as is."""
+    spec = str(spec)
+    return str(pretrained_dir(spec)) if spec in PRETRAINED else spec
 
 
 def load_model(
     spec: str | os.PathLike, *, dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> tuple[PreTrainedModel, Any]:
-    """``(model, tokenizer)`` for a preset name, a local HF directory or a hub id."""
+    """``(model, tokenizer)`` for a model name, a local HF directory or a hub id."""
     spec = str(spec)
     if not spec.strip():
         raise InputError("model: empty name; give a preset, a local HF directory or a hub id")
     if spec in PRESETS:
         model, tokenizer = build_preset(spec, seed=seed)
         return model.to(dtype), tokenizer
+    spec = resolve(spec)
     if Path(spec).is_dir() and not (Path(spec) / "config.json").exists():
         raise InputError(f"model {spec!r}: directory has no config.json (not an HF model dir)")
     try:
@@ -47,10 +55,11 @@ def load_model(
 
 
 def load_tokenizer(spec: str | os.PathLike) -> Any:
-    """The tokenizer of a preset, local HF directory or hub id; refuses an unusable one."""
+    """The tokenizer of a model name, local HF directory or hub id; refuses an unusable one."""
     spec = str(spec)
     if spec in PRESETS:
         return build_preset(spec)[1]
+    spec = resolve(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec)
     except (OSError, ValueError) as exc:

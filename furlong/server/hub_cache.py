@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from furlong.errors import InputError
-from furlong.models.loading import load_tokenizer
+from furlong.models.loading import load_tokenizer, resolve
 from furlong.models.presets import PRESETS
 
 # A hub repo id: "Name" or "Org/Name" (no "--" or "..", which the cache layout cannot encode).
@@ -49,7 +49,7 @@ def _config_json(source: str, tokenizer: object) -> dict:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(source).to_dict()
+        return AutoConfig.from_pretrained(resolve(source)).to_dict()
     except (OSError, ValueError) as exc:
         raise InputError(f"hub cache: config of {source!r} cannot be loaded ({exc})") from None
 
@@ -65,8 +65,9 @@ def _fsync(path: Path) -> None:
 def write_hub_cache(hf_home: Path, name: str, source: str) -> Path:
     """Write ``source``'s tokenizer and config as hub model ``name`` under ``hf_home``.
 
-    ``source`` is a furlong preset (``tiny-qwen3``) or a local HF directory. Returns the
-    snapshot directory. Idempotent; safe against concurrent writers and readers.
+    ``source`` is a furlong model name (``tiny-qwen3``, ``smollm2-135m``) or a local HF
+    directory. Returns the snapshot directory. Idempotent; safe against concurrent writers and
+    readers.
     """
     _check_name(name)
     tokenizer = load_tokenizer(source)

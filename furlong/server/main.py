@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from furlong.errors import InputError
+from furlong.models.loading import resolve
 from furlong.server.app import create_app
 from furlong.server.service import Service, ServiceConfig
 
@@ -65,6 +66,8 @@ def serve(
         trainer_ranks=trainer_ranks,
         optimizer_state_dir=optimizer_state_dir,
     )
+    for source in config.base_models.values():
+        resolve(source)  # a pretrained model is built (once) before the port opens, not mid-request
     if hf_home is not None:  # clients resolve the served names offline (tinker-cookbook)
         from furlong.server.hub_cache import write_hub_cache
 
