@@ -103,6 +103,7 @@ SLOW = (
     "tests/models/test_smollm2.py::test_serve_the_pretrained_model_to_the_tinker_sdk",
     "tests/models/test_smollm2.py::test_without_the_wheel_the_error_names_the_package",
     "tests/models/test_smollm2.py::test_a_wheel_with_the_wrong_hash_is_refused",
+    "tests/train/test_lora.py::test_smollm2_merged_head_adapter_equals_the_adapter_model",
 )
 
 

@@ -19,6 +19,7 @@ from transformers import AutoModel, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from furlong.errors import InputError
+from furlong.models.loading import resolve
 from furlong.models.presets import PRESETS, build_preset
 
 HEAD_STD = 0.02
@@ -80,7 +81,8 @@ def critic_from_pretrained(
     spec: str | os.PathLike, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> ValueModel:
     """A critic on a preset's trunk (the policy's weights for the same ``seed``) or on the
-    trunk of a local HF causal-LM directory; the head keeps its fresh init."""
+    trunk of a pretrained model name or a local HF causal-LM directory; the head keeps its
+    fresh init."""
     return ValueModel(load_trunk(spec, seed=seed, dtype=dtype), seed=seed)
 
 
@@ -98,8 +100,9 @@ def load_trunk(
     if spec in PRESETS:
         model, _ = build_preset(spec, seed=seed)
         return _trunk_of(model).to(dtype)
+    spec = resolve(spec)  # a pretrained name (smollm2-135m) as its cached HF directory
     if not (os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "config.json"))):
-        raise InputError(f"critic: {spec!r} is neither a preset nor a local HF model directory")
+        raise InputError(f"critic: {spec!r} is neither a model name nor a local HF model directory")
     try:
         with _quiet_load_report():  # the LM head is left out on purpose: checked below instead
             base, info = AutoModel.from_pretrained(spec, dtype=dtype, output_loading_info=True)
@@ -137,7 +140,7 @@ def hidden_head(critic: ValueModel) -> Iterator[torch.nn.Linear]:
 
 
 def load_hf_trunk(critic: ValueModel, spec: str | os.PathLike) -> None:
-    """Overwrite an existing critic's trunk from a preset or HF directory (e.g. the actor's
+    """Overwrite an existing critic's trunk from a model name or HF directory (e.g. the actor's
     load path when there is no critic checkpoint). The head is hidden for the whole load, so
     the strict key match is against the trunk alone, and it is kept as it was."""
     dtype = next(critic.trunk.parameters()).dtype

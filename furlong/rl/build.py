@@ -81,6 +81,10 @@ def build_parts(config: RLConfig, scale: ScaleOut, saved: resume_mod.Checkpoint 
     source = resume_mod.model_source(saved, m.name)  # a LoRA run's warmed-up base on resume
     policy, tokenizer = load_model(source, seed=m.seed, dtype=getattr(torch, m.dtype))
     policy = policy.to(m.device)
+    if m.lora_rank and m.lora_unembed:
+        from furlong.train.lora import untie_embeddings  # peft: only LoRA runs need it
+
+        untie_embeddings(policy)  # the adapted head is no longer the embedding
     task = build_task(t.name, t.reward, t.path, t.max_a, t.max_b)
     losses: list[float] = []
     if config.warmup.steps and saved is None:  # a resumed run has its warm-up in the checkpoint

@@ -379,8 +379,8 @@ class TrainingEngine(Trainer):
             if self._merged is not None:
                 raise InputError("weights: an adapter engine is asleep; wake() it to merge")
             return dict(self.host_weights)
-        if self._merged is not None:
-            return self._merged().state_dict()
+        if self._merged is not None:  # parameters, not state_dict: a tied weight once
+            return {n: p.detach() for n, p in self._merged().named_parameters()}
         return {n: p.detach() for n, p in zip(self.param_names, self.params, strict=True)}
 
     # ---------------------------------------------------------------- colocation

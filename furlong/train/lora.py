@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
@@ -169,16 +170,67 @@ def merged_copy(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
         model = get_peft_model(copy.deepcopy(base), config, adapter_name=name)
     ckpt.check_tensors(dict(adapter_params(model, name)), tensors)
     set_peft_model_state_dict(model, tensors, adapter_name=name)
-    merged = model.merge_and_unload()
-    merged.requires_grad_(False)
-    return merged
+    return merge(model)
 
 
 def merged_model(peft_model: PeftModel) -> torch.nn.Module:
     """A plain HF model with the active adapter merged (for a rollout engine or an HF export).
     Merged on a copy: merging in place and unmerging afterwards would leave round-off in the
     trained weights."""
+    return merge(copy.deepcopy(peft_model))
+
+
+def merge(model: PeftModel) -> torch.nn.Module:
+    """Merge the active adapter of ``model`` (a copy the caller owns: it is merged in place) and
+    return the plain model. Every merge goes through here, so tied embeddings stay correct."""
     with torch.no_grad():
-        merged = copy.deepcopy(peft_model).merge_and_unload()
+        untie_for_merge(model)
+        merged = model.merge_and_unload()
     merged.requires_grad_(False)
     return merged
+
+
+def untie_for_merge(model: PeftModel) -> bool:
+    """Give the LM head its own copy of a tied embedding when the active adapter is on either
+    of them (True), so a merge moves only the layer the adapter is on: merging into the shared
+    weight would move both, while the adapter model embeds with the base weight (and vice
+    versa). Otherwise they stay tied (no copy). Call it on a copy: it replaces a parameter."""
+    base = model.get_base_model()
+    inputs, head = base.get_input_embeddings(), base.get_output_embeddings()
+    if inputs is None or head is None:
+        return False
+    in_layer, out_layer = _base_layer(inputs), _base_layer(head)
+    weight = in_layer.weight
+    tied = weight is out_layer.weight or weight.data_ptr() == out_layer.weight.data_ptr()
+    if not tied or not (_adapted(inputs) or _adapted(head)):
+        return False
+    out_layer.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
+    # save_pretrained / from_pretrained (and peft's merge check) read the flag, not the storage
+    base.config.tie_word_embeddings = False
+    base.config.get_text_config().tie_word_embeddings = False  # the same object unless multimodal
+    return True
+
+
+def untie_embeddings(model: torch.nn.Module) -> bool:
+    """Give a tied LM head its own copy of the embedding (True if it was tied): before a LoRA
+    adapts the head, which then stops equalling the embedding, so that the trainer, the rollout
+    engine and an export all hold the two as separate weights."""
+    inputs, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is None or head is None or head.weight is not inputs.weight:
+        return False
+    head.weight = torch.nn.Parameter(inputs.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    model.config.get_text_config().tie_word_embeddings = False
+    return True
+
+
+def _base_layer(module: torch.nn.Module) -> torch.nn.Module:
+    return module.get_base_layer() if isinstance(module, LoraLayer) else module
+
+
+def _adapted(module: torch.nn.Module) -> bool:
+    """A LoRA layer holding weights of an active adapter (what ``merge_and_unload`` merges)."""
+    if not isinstance(module, LoraLayer):
+        return False
+    held = set(module.lora_A) | set(module.lora_embedding_A)
+    return bool(held & set(module.active_adapters))

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from furlong.errors import InputError
-from furlong.models import build_preset, save_hf_dir
+from furlong.models import build_preset, loading, save_hf_dir
 from furlong.models import critic as critic_module
 from furlong.models.critic import (
     ValueModel,
@@ -185,8 +185,28 @@ def test_head_restored_when_load_raises(policy, tmp_path: Path) -> None:
 
 
 def test_bad_spec_is_an_input_error(tmp_path: Path) -> None:
-    with pytest.raises(InputError, match="neither a preset nor"):
+    with pytest.raises(InputError, match="neither a model name nor"):
         critic_from_pretrained(tmp_path / "nothing-here")
+
+
+def test_a_pretrained_model_name_resolves_to_its_cached_dir(
+    policy, hf_dir: Path, monkeypatch
+) -> None:
+    """``smollm2-135m`` goes through ``loading.resolve``; the cache is stubbed with the tiny
+    model's directory, so no build (and no real cache) is needed."""
+    asked: list[str] = []
+
+    def cached(name: str) -> Path:
+        asked.append(name)
+        return hf_dir
+
+    monkeypatch.setattr(loading, "pretrained_dir", cached)
+    critic = critic_from_pretrained("smollm2-135m")
+    assert asked == ["smollm2-135m"]
+    assert_same_tensors(critic.trunk.state_dict(), policy[0].model.state_dict())
+    other = critic_from_policy(build_preset("tiny-qwen3", seed=1)[0])
+    load_hf_trunk(other, "smollm2-135m")
+    assert_same_tensors(other.trunk.state_dict(), policy[0].model.state_dict())
 
 
 def qwen3(hidden: int, layers: int, tied: bool = False, vocab: int = 768) -> torch.nn.Module:

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from furlong.errors import InputError
 from furlong.models import build_preset
+from furlong.models.loading import save_hf_dir
 from furlong.rl.config import load_config
 from furlong.rl.loop import train
 
@@ -87,3 +88,22 @@ def test_a_lora_run_trains_the_adapter_and_exports_merged_and_adapter(tmp_path) 
 def test_unsupported_lora_combinations_are_refused(tmp_path, extra, match) -> None:
     with pytest.raises(InputError, match=match):
         lora_config(tmp_path, *extra)
+
+
+@pytest.mark.parametrize("unembed", [False, True])
+def test_a_lora_run_on_a_tied_model_publishes_what_it_trains(tmp_path, unembed: bool) -> None:
+    """Tied embeddings (SmolLM2, Qwen3-0.6B): the merged weights name the shared tensor once,
+    and an adapter on the head unties it everywhere (trainer, rollout engine, export)."""
+    model, tokenizer = build_preset("tiny-qwen3", seed=0)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.get_input_embeddings().weight
+    source = save_hf_dir(model, tokenizer, tmp_path / "tied")
+    out = tmp_path / "run"
+    extra = [f"model.name={source}", f"model.lora_unembed={str(unembed).lower()}"]
+    summary = train(lora_config(out, *extra))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    diffs = [r["logprob_diff:mean"] for r in rows if "logprob_diff:mean" in r]
+    assert diffs and max(diffs) < 1e-4  # the rollout engine samples what the trainer holds
+    exported = AutoModelForCausalLM.from_pretrained(summary.hf_dir)
+    head, embed = exported.lm_head.weight, exported.get_input_embeddings().weight
+    assert torch.equal(head, embed) != unembed  # still tied unless the head was adapted
