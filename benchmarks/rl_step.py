@@ -1,14 +1,25 @@
 """RL step time: furlong's GRPO loop vs TRL's ``GRPOTrainer`` on the same model and workload.
 
-One step = generate 16 prompts x 8 samples (128 completions, at most ``--max-tokens`` new tokens, 6
-by default, temperature 1) for the ``reverse`` task's prompts (3 digits, chat template), score them
+One step = generate ``--prompts`` x ``--group`` samples (at most ``--max-tokens`` new tokens,
+temperature 1) for the ``reverse`` task's prompts (3 digits, chat template), score them
 (``bench_spread``: a deterministic score that varies between samples, so every step has a real
-update), GRPO advantages (group std scaling, no KL), one forward/backward over the 128 completions
-and one AdamW step (lr 1e-3, grad clip 1.0). Both sides start from the same ``small-qwen3`` HF
-directory (fp32, CPU) and use the same number of intra-op threads. Each measurement runs in a fresh
-subprocess; the first ``--warmup`` steps are dropped. furlong and TRL alternate over ``--rounds``
-(the order flips each round) and the median of per-round ratios (TRL s / furlong s, each the median
-step time of its round) is reported. Target: >= 1.5x.
+update), GRPO advantages (group std scaling, no KL), one forward/backward over all completions and
+one AdamW step (``--lr``, grad clip 1.0). Both sides start from the same HF directory (fp32, CPU)
+and use the same number of intra-op threads. Each measurement runs in a fresh subprocess; the
+first ``--warmup`` steps are dropped. furlong and TRL alternate over ``--rounds`` (the order flips
+each round) and the median of per-round ratios (TRL s / furlong s, each the median step time of
+its round) is reported. Target: >= 1.5x.
+
+``--model`` picks the model and, unless given, the workload (``WORKLOADS``):
+- ``small-qwen3`` (the default; random weights, built from the preset): 16 prompts x 8 samples
+  (128 completions), <= 6 new tokens, lr 1e-3, 2 warm-up + 8 timed steps (the recorded numbers'
+  workload).
+- ``smollm2-135m`` (SmolLM2-135M-Instruct, the real pretrained model from furlong's cache): 4
+  prompts x 4 samples (16 completions), <= 16 new tokens, lr 1e-6 (a pretrained model's GRPO lr:
+  at 1e-3 one step wrecks it and every later completion runs to the token limit), 1 warm-up + 4
+  timed steps. Its chat template adds SmolLM's default system prompt; both sides render it (38
+  prompt tokens).
+- any other preset name or HF directory: small-qwen3's workload.
 
 ``--phases`` adds one more run of each side with timers around the parts of a step
 (generation, reward, reference forward, actor forward, backward, optimizer, publish) and prints
@@ -22,14 +33,15 @@ TRL is not a furlong dependency; install it for this benchmark only, e.g. in a s
     /tmp/trl-venv/bin/pip install -c constraints.txt torch==2.13.0
     /tmp/trl-venv/bin/pip install -c constraints.txt -e . trl==1.16.0
 
-Run: ``/tmp/trl-venv/bin/python benchmarks/rl_step.py [--quick]``, or keep furlong's own venv
-for the furlong side: ``.venv/bin/python benchmarks/rl_step.py --trl-python
-/tmp/trl-venv/bin/python``.
+Run: ``/tmp/trl-venv/bin/python benchmarks/rl_step.py [--quick] [--model smollm2-135m]``, or
+keep furlong's own venv for the furlong side: ``.venv/bin/python benchmarks/rl_step.py
+--trl-python /tmp/trl-venv/bin/python``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -37,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,15 +68,32 @@ then run /tmp/trl-venv/bin/python benchmarks/rl_step.py
 (or pass --trl-python /tmp/trl-venv/bin/python to keep this interpreter for furlong)."""
 
 # The shared workload; furlong's names, mapped to TRL's in ``trl_worker``.
-PROMPTS, GROUP, MAX_TOKENS, TEMPERATURE, LR, GRAD_CLIP = 16, 8, 6, 1.0, 1e-3, 1.0
+TEMPERATURE, GRAD_CLIP = 1.0, 1.0
 TASK, DIGITS, REWARD = "reverse", 3, "bench_spread"
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: int
+    group: int  # samples per prompt
+    max_tokens: int  # new tokens per completion at most
+    lr: float
+    warmup: int  # untimed steps per measurement
+    steps: int  # timed steps per measurement
+
+
+WORKLOADS = {  # per model; anything else gets small-qwen3's
+    "small-qwen3": Workload(prompts=16, group=8, max_tokens=6, lr=1e-3, warmup=2, steps=8),
+    "smollm2-135m": Workload(prompts=4, group=4, max_tokens=16, lr=1e-6, warmup=1, steps=4),
+}
 
 
 def bench_spread(response: str, problem: Any) -> float:
     """A deterministic score that varies between samples. A random-weight model never gets an
-    exact match, so with a real verifier every advantage would be zero, furlong would skip the
-    update (no signal, no step) and TRL would still run it: the step would not be the same
-    work. This keeps the forward/backward and the optimizer step in every step, on both sides."""
+    exact match (and a real one rarely varies within a group), so with a real verifier
+    advantages would be zero, furlong would skip the update (no signal, no step) and TRL would
+    still run it: the step would not be the same work. This keeps the forward/backward and the
+    optimizer step in every step, on both sides."""
     return sum(map(ord, response)) % 7 / 6
 
 
@@ -159,7 +189,7 @@ def trl_phases(clock: PhaseClock) -> None:
 
 
 def furlong_worker(
-    model_dir: str, steps: int, out_dir: str, clock: PhaseClock | None = None
+    model_dir: str, work: Workload, steps: int, out_dir: str, clock: PhaseClock | None = None
 ) -> dict[str, Any]:
     from furlong.metrics import read_metrics
     from furlong.rl.config import load_config
@@ -176,9 +206,9 @@ def furlong_worker(
         f"task.reward={REWARD}",
         "task.eval_size=1",  # evaluation runs before step 1 and with the last step only
         "task.eval_samples=0",
-        f"rollout.prompts_per_step={PROMPTS}",
-        f"rollout.group_size={GROUP}",
-        f"rollout.max_tokens={MAX_TOKENS}",
+        f"rollout.prompts_per_step={work.prompts}",
+        f"rollout.group_size={work.group}",
+        f"rollout.max_tokens={work.max_tokens}",
         f"rollout.temperature={TEMPERATURE}",
         "algo.advantage=grpo",
         "algo.objective=importance_sampling",
@@ -187,7 +217,7 @@ def furlong_worker(
         "algo.kl_coef=0.0",
         "run.log_kl=false",  # TRL with beta = 0 keeps no reference model either
         "algo.minibatches=1",
-        f"algo.learning_rate={LR}",
+        f"algo.learning_rate={work.lr}",
         f"algo.grad_clip_norm={GRAD_CLIP}",
         f"run.steps={steps + 1}",  # the extra last step carries the final eval: dropped
         f"run.eval_every={steps + 10}",
@@ -208,13 +238,14 @@ def furlong_worker(
 
 
 def trl_worker(
-    model_dir: str, steps: int, out_dir: str, clock: PhaseClock | None = None
+    model_dir: str, work: Workload, steps: int, out_dir: str, clock: PhaseClock | None = None
 ) -> dict[str, Any]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from furlong.rl.episodes import render_prompt
     from furlong.rl.tasks import REWARDS, Problem, reverse
 
     train_split, _ = reverse(DIGITS)
@@ -254,14 +285,14 @@ def trl_worker(
     config = GRPOConfig(
         output_dir=out_dir,
         max_steps=steps,
-        # One step = one generation of 128 completions + one optimizer step over all of them:
-        # 128 completions per device batch, no accumulation, one step per generation.
-        per_device_train_batch_size=PROMPTS * GROUP,
+        # One step = one generation of all completions + one optimizer step over all of them:
+        # every completion in the device batch, no accumulation, one step per generation.
+        per_device_train_batch_size=work.prompts * work.group,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         num_iterations=1,
-        num_generations=GROUP,
-        max_completion_length=MAX_TOKENS,
+        num_generations=work.group,
+        max_completion_length=work.max_tokens,
         temperature=TEMPERATURE,
         top_p=1.0,
         top_k=0,
@@ -271,7 +302,7 @@ def trl_worker(
         loss_type="dapo",
         scale_rewards="group",
         beta=0.0,
-        learning_rate=LR,
+        learning_rate=work.lr,
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
@@ -304,10 +335,17 @@ def trl_worker(
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         callbacks=[StepClock()],
     )
+    # Same prompt tokens as furlong's rollout (a template's default system prompt included):
+    # TRL renders conversational prompts itself, furlong through ``render_prompt``.
+    tokenizer = trainer.processing_class
+    sample = [dataset[i] for i in range(work.prompts)]
+    ids, _, _ = trainer._tokenize_prompts([row["prompt"] for row in sample])
+    ours = [render_prompt(tokenizer, row["prompt"][0]["content"]) for row in sample]
+    assert [list(i) for i in ids] == ours, "TRL and furlong render different prompt tokens"
     trainer.train()
-    # The mapping above must give exactly one 128-completion generation per optimizer step.
+    # The mapping above must give exactly one generation of all completions per optimizer step.
     assert trainer.state.global_step == steps, trainer.state.global_step
-    assert [n for n, _ in batches] == [PROMPTS * GROUP] * steps, [n for n, _ in batches]
+    assert [n for n, _ in batches] == [work.prompts * work.group] * steps, [n for n, _ in batches]
     assert len(set(threads)) == 1, threads
     return {
         "seconds": [b - a for a, b in zip(ends, ends[1:], strict=False)],
@@ -316,8 +354,9 @@ def trl_worker(
     }
 
 
-def worker_main(side: str, model_dir: str, steps: int, threads: int, phases: int = 0) -> None:
-    """``phases``: time the parts of the last ``phases`` steps (the timed ones)."""
+def worker_main(side: str, model_dir: str, work: Workload, threads: int, phases: int = 0) -> None:
+    """Runs ``work.warmup + work.steps`` steps; ``phases``: time the parts of the last
+    ``phases`` steps (the timed ones)."""
     import torch
 
     torch.set_num_threads(threads)  # before any work: same intra-op pool size on both sides
@@ -326,7 +365,7 @@ def worker_main(side: str, model_dir: str, steps: int, threads: int, phases: int
     clock = PhaseClock() if phases else None
     with tempfile.TemporaryDirectory(prefix=f"rl_step_{side}_") as out:
         run = furlong_worker if side == "furlong" else trl_worker
-        result = run(model_dir, steps, out, clock)
+        result = run(model_dir, work, work.warmup + work.steps, out, clock)
     if clock is not None:
         # furlong runs one extra last step (it carries the final evaluation): not timed
         rows = clock.steps[-phases - 1 : -1] if side == "furlong" else clock.steps[-phases:]
@@ -347,9 +386,8 @@ def run_worker(
     python: str,
     side: str,
     model_dir: Path,
-    steps: int,
+    work: Workload,
     threads: int,
-    max_tokens: int,
     phases: int = 0,
 ) -> dict:
     env = os.environ | {
@@ -360,8 +398,9 @@ def run_worker(
         "TRANSFORMERS_VERBOSITY": "error",
     }
     cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--model-dir", str(model_dir)]
-    cmd += ["--worker-steps", str(steps), "--threads", str(threads)]
-    cmd += ["--max-tokens", str(max_tokens), "--worker-phases", str(phases)]
+    cmd += ["--threads", str(threads), "--worker-phases", str(phases)]
+    for name, value in asdict(work).items():  # the whole workload, explicitly
+        cmd += [f"--{name.replace('_', '-')}", repr(value)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
@@ -388,12 +427,14 @@ def trl_version(python: str) -> str | None:
 
 
 def write_model(spec: str, out: Path) -> Path:
-    if Path(spec).is_dir():
-        return Path(spec)
-    from transformers.utils import logging
-
-    from furlong.models.loading import save_hf_dir
+    """A preset is built into ``out``; a pretrained name is its cached HF directory (built on
+    first use); an HF directory is used as it is."""
+    from furlong.models.loading import resolve, save_hf_dir
     from furlong.models.presets import build_preset
+
+    if Path(resolve(spec)).is_dir():
+        return Path(resolve(spec))
+    from transformers.utils import logging
 
     logging.disable_progress_bar()
 
@@ -401,35 +442,44 @@ def write_model(spec: str, out: Path) -> Path:
     return save_hf_dir(model, tokenizer, out)
 
 
+def workload(args: argparse.Namespace) -> Workload:
+    """The model's workload (``WORKLOADS``), with what the command line sets in its place."""
+    base = WORKLOADS.get(args.model, WORKLOADS["small-qwen3"])
+    given = {k: getattr(args, k) for k in asdict(base) if getattr(args, k) is not None}
+    if args.quick:
+        given |= {"warmup": 1, "steps": 3}
+    return dataclasses.replace(base, **given)
+
+
 def main() -> None:
-    global MAX_TOKENS  # both workers read it; a longer generation shifts the step's balance
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small-qwen3", help="preset name or HF directory")
+    parser.add_argument(
+        "--model", default="small-qwen3", help="preset, pretrained model name or HF directory"
+    )
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per measurement")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads, both")
     parser.add_argument("--trl-python", default=sys.executable, help="interpreter with trl")
     parser.add_argument("--quick", action="store_true", help="1 round, 1 + 3 steps per side")
-    parser.add_argument(
-        "--max-tokens", type=int, default=MAX_TOKENS, help="new tokens per completion at most"
-    )
+    # The workload; unset: the model's (WORKLOADS)
+    parser.add_argument("--prompts", type=int, help="prompts per step")
+    parser.add_argument("--group", type=int, help="samples per prompt")
+    parser.add_argument("--max-tokens", type=int, help="new tokens per completion at most")
+    parser.add_argument("--lr", type=float, help="AdamW learning rate")
+    parser.add_argument("--warmup", type=int, help="untimed steps per measurement")
+    parser.add_argument("--steps", type=int, help="timed steps per measurement")
     parser.add_argument("--worker", choices=("furlong", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-phases", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument(
         "--phases", action="store_true", help="then one more run per side: time per step part"
     )
     args = parser.parse_args()
-    MAX_TOKENS = args.max_tokens
+    work = workload(args)
     if args.worker:
-        worker_main(
-            args.worker, args.model_dir, args.worker_steps, args.threads, args.worker_phases
-        )
+        worker_main(args.worker, args.model_dir, work, args.threads, args.worker_phases)
         return
     if args.quick:
-        args.rounds, args.warmup, args.steps = 1, 1, 3
+        args.rounds = 1
     version = trl_version(args.trl_python)
     if version is None:
         print(INSTALL_HINT.format(python=args.trl_python), file=sys.stderr)
@@ -438,24 +488,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rl_step_") as tmp:
         model_dir = write_model(args.model, Path(tmp) / "model")
         print(
-            f"{args.model}: {TASK} ({DIGITS} digits, {REWARD}), {PROMPTS} prompts x {GROUP} "
-            f"samples, <= {MAX_TOKENS} new tokens, temperature {TEMPERATURE}, lr {LR}, no KL; "
-            f"{args.threads} threads; {args.warmup} warm-up + {args.steps} timed steps per side "
-            f"and round; TRL {version} ({args.trl_python})"
+            f"{args.model}: {TASK} ({DIGITS} digits, {REWARD}), {work.prompts} prompts x "
+            f"{work.group} samples, <= {work.max_tokens} new tokens, temperature {TEMPERATURE}, "
+            f"lr {work.lr}, no KL; {args.threads} threads; {work.warmup} warm-up + {work.steps} "
+            f"timed steps per side and round; TRL {version} ({args.trl_python})"
         )
-        total = args.warmup + args.steps
         pythons = {"furlong": sys.executable, "trl": args.trl_python}
         ours_all: list[float] = []
         theirs_all: list[float] = []
         ratios: list[float] = []
         for i in range(args.rounds):
             order = ("furlong", "trl") if i % 2 == 0 else ("trl", "furlong")  # cancel drift
-            results = {
-                s: run_worker(pythons[s], s, model_dir, total, args.threads, args.max_tokens)
-                for s in order
-            }
-            ours = results["furlong"]["seconds"][args.warmup :]
-            theirs = results["trl"]["seconds"][args.warmup :]
+            results = {s: run_worker(pythons[s], s, model_dir, work, args.threads) for s in order}
+            ours = results["furlong"]["seconds"][work.warmup :]
+            theirs = results["trl"]["seconds"][work.warmup :]
             ours_all += ours
             theirs_all += theirs
             ratio = statistics.median(theirs) / statistics.median(ours)
@@ -472,12 +518,10 @@ def main() -> None:
         if args.phases:
             print_phases(
                 {
-                    s: run_worker(
-                        pythons[s], s, model_dir, total, args.threads, args.max_tokens, args.steps
-                    )
+                    s: run_worker(pythons[s], s, model_dir, work, args.threads, work.steps)
                     for s in ("furlong", "trl")
                 },
-                args.warmup,
+                work.warmup,
             )
     ratio = statistics.median(ratios)
     print(
