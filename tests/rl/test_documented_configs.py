@@ -23,3 +23,9 @@ def test_the_docs_show_the_recipe_file() -> None:
     page = (ROOT / "docs" / "rl.md").read_text()
     blocks = re.findall(r"```toml\n(.*?)```", page, re.S)
     assert tomllib.loads(blocks[0]) == tomllib.loads(RECIPE.read_text())
+
+
+def test_the_smollm2_recipe_is_its_recorded_run() -> None:
+    """docs/recipes/smollm2.md's table comes from a run of exactly examples/rl/smollm2.toml."""
+    recorded = load_config(ROOT / "docs" / "recipes" / "runs" / "smollm2-grpo" / "config.toml")
+    assert load_config(ROOT / "examples" / "rl" / "smollm2.toml") == recorded
