@@ -78,7 +78,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="furlong-robust-") as work:
         extra = (PPO if args.algo == "ppo" else []) + args.overrides
         done = run_matrix(
-            cells, RECIPE, extra, Path(work), args.jobs, lambda c: print(_row(c), flush=True)
+            cells, args.recipe, extra, Path(work), args.jobs, lambda c: print(_row(c), flush=True)
         )
     print(summary(done))
     args.out.parent.mkdir(parents=True, exist_ok=True)
