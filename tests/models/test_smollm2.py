@@ -9,14 +9,9 @@ import filecmp
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
-import time
 import zipfile
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -28,6 +23,7 @@ from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sampling import SamplingParams
 from furlong.train.engine import EngineConfig, TrainingEngine
 from furlong.types import AdamParams, Datum
+from tests.server.cli_server import cli_server
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -242,24 +238,8 @@ def test_serve_the_pretrained_model_to_the_tinker_sdk(model_dir, tmp_path) -> No
     import tinker
     from tinker import types
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "furlong", "serve", "--base-model", NAME, "--port", str(port)]
-    cmd += ["--state-dir", str(tmp_path / "state")]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{url}/api/v1/healthz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
+    args = ["--base-model", NAME, "--state-dir", str(tmp_path / "state")]
+    with cli_server(args, start_timeout=180) as url:
         service = tinker.ServiceClient(base_url=url, api_key="tml-test")
         training = service.create_lora_training_client(NAME, rank=8).result()
         tok = training.get_tokenizer()
@@ -291,9 +271,6 @@ def test_serve_the_pretrained_model_to_the_tinker_sdk(model_dir, tmp_path) -> No
         training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
         saved = training.save_state("final").result().path
         assert saved == f"tinker://{training.model_id}/weights/final"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def no_pip_env(monkeypatch, tmp_path: Path) -> None:

@@ -7,12 +7,7 @@ forward through the service must equal the engine's direct result."""
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import numpy as np
 import pytest
 import tinker
@@ -26,6 +21,7 @@ from furlong.server.service import Service, ServiceConfig
 from furlong.serving import background_server
 from furlong.train.engine import TrainingEngine
 from furlong.types import Datum
+from tests.server.cli_server import cli_server
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -212,25 +208,8 @@ def test_checkpoints_survive_a_restart(tmp_path) -> None:
 
 
 def test_cli_serves_the_sdk(tmp_path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "furlong", "serve", "--port", str(port)]
-    cmd += ["--base-model", f"{BASE}=tiny-qwen3", "--state-dir", str(tmp_path / "state")]
-    cmd += ["--hf-home", str(tmp_path / "hf")]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/api/v1/healthz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
+    args = ["--base-model", f"{BASE}=tiny-qwen3", "--state-dir", str(tmp_path / "state")]
+    with cli_server([*args, "--hf-home", str(tmp_path / "hf")]) as url:
         service = client(url)
         names = [m.model_name for m in service.get_server_capabilities().supported_models]
         assert names == [BASE]
@@ -243,9 +222,6 @@ def test_cli_serves_the_sdk(tmp_path) -> None:
         text = "User: What is 12 + 7?"
         cached = AutoTokenizer.from_pretrained(snapshot)
         assert cached.encode(text) == training.get_tokenizer().encode(text)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_prompt_logprobs_top_k_and_last_n_match_a_teacher_forced_forward(server) -> None:
