@@ -59,19 +59,11 @@ def model_names() -> list[str]:
     return sorted(PRESETS) + sorted(PRETRAINED)
 
 
-def is_model_name(spec: object) -> bool:
-    return isinstance(spec, str) and (spec in PRESETS or spec in PRETRAINED)
-
-
 def cache_root() -> Path:
     if os.environ.get("FURLONG_CACHE"):
         return Path(os.environ["FURLONG_CACHE"])
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg) if xdg else Path.home() / ".cache") / "furlong"
-
-
-def smollm2_dir() -> Path:
-    return pretrained_dir("smollm2-135m")
 
 
 def pretrained_dir(name: str) -> Path:

