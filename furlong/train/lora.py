@@ -25,6 +25,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
+from transformers import PretrainedConfig
 
 from furlong.errors import InputError
 from furlong.train import checkpoint as ckpt
@@ -197,18 +198,9 @@ def untie_for_merge(model: PeftModel) -> bool:
     versa). Otherwise they stay tied (no copy). Call it on a copy: it replaces a parameter."""
     base = model.get_base_model()
     inputs, head = base.get_input_embeddings(), base.get_output_embeddings()
-    if inputs is None or head is None:
+    if inputs is None or head is None or not (_adapted(inputs) or _adapted(head)):
         return False
-    in_layer, out_layer = _base_layer(inputs), _base_layer(head)
-    weight = in_layer.weight
-    tied = weight is out_layer.weight or weight.data_ptr() == out_layer.weight.data_ptr()
-    if not tied or not (_adapted(inputs) or _adapted(head)):
-        return False
-    out_layer.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
-    # save_pretrained / from_pretrained (and peft's merge check) read the flag, not the storage
-    base.config.tie_word_embeddings = False
-    base.config.get_text_config().tie_word_embeddings = False  # the same object unless multimodal
-    return True
+    return _untie(_base_layer(inputs), _base_layer(head), base.config, requires_grad=False)
 
 
 def untie_embeddings(model: torch.nn.Module) -> bool:
@@ -216,11 +208,22 @@ def untie_embeddings(model: torch.nn.Module) -> bool:
     adapts the head, which then stops equalling the embedding, so that the trainer, the rollout
     engine and an export all hold the two as separate weights."""
     inputs, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if inputs is None or head is None or head.weight is not inputs.weight:
+    if inputs is None or head is None:
         return False
-    head.weight = torch.nn.Parameter(inputs.weight.detach().clone())
-    model.config.tie_word_embeddings = False
-    model.config.get_text_config().tie_word_embeddings = False
+    return _untie(inputs, head, model.config, requires_grad=True)
+
+
+def _untie(
+    inputs: torch.nn.Module, head: torch.nn.Module, config: PretrainedConfig, requires_grad: bool
+) -> bool:
+    """``head`` gets a copy of the weight it shares with ``inputs`` (False if it shares none)."""
+    weight = inputs.weight
+    if weight is not head.weight and weight.data_ptr() != head.weight.data_ptr():
+        return False
+    head.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=requires_grad)
+    # save_pretrained / from_pretrained (and peft's merge check) read the flag, not the storage
+    config.tie_word_embeddings = False
+    config.get_text_config().tie_word_embeddings = False  # the same object unless multimodal
     return True
 
 
