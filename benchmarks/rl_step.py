@@ -432,8 +432,9 @@ def write_model(spec: str, out: Path) -> Path:
     from furlong.models.loading import resolve, save_hf_dir
     from furlong.models.presets import build_preset
 
-    if Path(resolve(spec)).is_dir():
-        return Path(resolve(spec))
+    resolved = Path(resolve(spec))
+    if resolved.is_dir():
+        return resolved
     from transformers.utils import logging
 
     logging.disable_progress_bar()
