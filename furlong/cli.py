@@ -139,6 +139,7 @@ def _serve(args: argparse.Namespace) -> int:
         compress_fwdbwd=args.compress_fwdbwd,
         trainer_ranks=args.trainer_ranks,
         optimizer_state_dir=args.optimizer_state_dir,
+        jwt_auth=args.jwt_auth,
     )
     return 0
 
@@ -256,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer-state-dir",
         help="keep every model's optimizer state in file-backed mappings in this directory "
         "(a real disk, not tmpfs); default: in memory",
+    )
+    serve.add_argument(
+        "--jwt-auth",
+        action="store_true",
+        help="clients exchange their key for a short-lived JWT (auth/token), as the tinker SDK "
+        "does when the server asks; RestClient.whoami() needs it",
     )
     serve.set_defaults(func=_serve)
     return parser

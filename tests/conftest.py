@@ -35,6 +35,8 @@ SLOW = (
     "tests/rl/test_resume.py",
     "tests/rl/test_scale_out.py::test_train_with_two_trainer_ranks",
     "tests/server/test_multirank_pool.py",
+    "tests/server/test_sdk_lifecycle.py::test_save_and_sample_cycles_do_not_grow",
+    "tests/server/test_sdk_auth.py::test_the_cli_flag",
     "tests/train/test_distributed.py::test_two_ranks_match_one_process",
     "tests/train/test_distributed.py::test_bad_request_raises_on_every_rank_and_the_group_goes_on",
     "tests/train/test_distributed.py::test_checkpoint_reshapes_two_to_one_and_one_to_two",

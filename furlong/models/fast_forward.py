@@ -13,9 +13,10 @@ chain over HF's five forward ops takes about twice as many; its forward is HF's,
 
 Limits: no dropout; only the exact module classes in ``_ARCH``, with SiLU, default RoPE and full
 attention on every layer (:meth:`supports` says no otherwise, e.g. MoE, sliding windows,
-scaled RoPE, LoRA-wrapped or hooked modules, attention dropout). Weights are read from the
-modules at every call, so in-place updates and ``p.data`` swaps are seen; hooks registered
-after construction are not run (ask :meth:`supports` again when modules may have changed).
+scaled RoPE, hooked modules, attention dropout); vanilla peft LoRA layers run unmerged, as
+peft runs them (``_is_linear``). Weights are read from the modules at every call, so in-place
+updates and ``p.data`` swaps are seen; hooks registered after construction are not run (ask
+:meth:`supports` again when modules may have changed).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
 from transformers import Cache
 from transformers.models.llama import modeling_llama as llama
@@ -71,7 +73,36 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def _linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
-    return F.linear(x, m.weight, m.bias)
+    if type(m) is nn.Linear:
+        return F.linear(x, m.weight, m.bias)
+    # a vanilla peft LoRA layer (``_is_linear`` checked it): peft's ``base + B(A(x)) * scaling``
+    out = F.linear(x, m.base_layer.weight, m.base_layer.bias)
+    for a in m.active_adapters:
+        if a in m.lora_A:
+            out = out + F.linear(F.linear(x, m.lora_A[a].weight), m.lora_B[a].weight) * m.scaling[a]
+    return out
+
+
+def _is_linear(m: nn.Module) -> bool:
+    """An ``nn.Linear``, or a peft LoRA layer over one whose forward ``_linear`` reproduces
+    (unmerged, no dropout, bias or variant such as DoRA, adapter in the base's dtype): a LoRA
+    sampler shares its base's weights and applies the adapter at every step."""
+    if type(m) is nn.Linear:
+        return True
+    if type(m) is not LoraLinear or type(m.base_layer) is not nn.Linear:
+        return False
+    if m.merged or m.disable_adapters or m.fan_in_fan_out:
+        return False
+    dtype = m.base_layer.weight.dtype
+    return all(
+        a not in m.lora_variant
+        and type(m.lora_dropout[a]) is nn.Identity
+        and m.lora_A[a].bias is None
+        and m.lora_B[a].bias is None
+        and m.lora_A[a].weight.dtype == m.lora_B[a].weight.dtype == dtype
+        for a in m.active_adapters
+        if a in m.lora_A
+    )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -129,7 +160,7 @@ class FastForward:
             or body.embed_tokens.max_norm is not None
             or body.embed_tokens.scale_grad_by_freq
             or body.embed_tokens.sparse
-            or type(model.lm_head) is not nn.Linear
+            or not _is_linear(model.lm_head)
             or type(body.norm) is not norm_cls
         ):
             return False
@@ -143,7 +174,7 @@ class FastForward:
                 type(layer) is not layer_cls
                 or type(attn) is not attn_cls
                 or type(mlp) is not mlp_cls
-                or any(type(m) is not nn.Linear for m in linears)
+                or not all(_is_linear(m) for m in linears)
                 or any(type(m) is not norm_cls for m in norms)
                 or getattr(attn, "sliding_window", None) is not None
             ):

@@ -12,23 +12,28 @@ loop, so a heavy body never blocks other requests.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from tinker import types as tt
 
 from furlong.errors import InputError
 from furlong.server import proto
+from furlong.server.external_weights import InvalidDownloadToken
 from furlong.server.futures import Failure
+from furlong.server.jwt_auth import InvalidToken, looks_like_jwt
 from furlong.server.ordering import Conflict
 from furlong.server.service import Service, fingerprint
 from furlong.server.sessions import NotFound
-from furlong.server.state import owner_id
+from furlong.server.state import iso_time, owner_id
 
 log = logging.getLogger("furlong.serve")
 T = TypeVar("T", bound=pydantic.BaseModel)
@@ -46,7 +51,15 @@ class TooLarge(Exception):
 def create_app(
     service: Service, api_keys: frozenset[str] | None = None, max_body_bytes: int = 256 << 20
 ) -> FastAPI:
-    app = FastAPI(title="furlong (Tinker protocol)")
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        reaper = asyncio.create_task(_reap_forever(service))
+        try:
+            yield
+        finally:
+            reaper.cancel()
+
+    app = FastAPI(title="furlong (Tinker protocol)", lifespan=lifespan)
 
     @app.exception_handler(InputError)
     async def _bad_input(_r: Request, exc: InputError) -> JSONResponse:
@@ -60,6 +73,12 @@ def create_app(
     async def _unauthorized(_r: Request, exc: Unauthorized) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=401)
 
+    @app.exception_handler(InvalidToken)
+    async def _invalid_token(_r: Request, exc: InvalidToken) -> JSONResponse:
+        # RFC 6750's marker: the SDK exchanges its key for a new token and replays once
+        header = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
+        return JSONResponse({"detail": str(exc)}, status_code=401, headers=header)
+
     @app.exception_handler(Conflict)
     async def _conflict(_r: Request, exc: Conflict) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=409)
@@ -69,7 +88,14 @@ def create_app(
         return JSONResponse({"detail": str(exc)}, status_code=413)
 
     def owner(request: Request) -> str:
+        """The tenant of a request: its ``X-API-Key``, or in JWT mode also a token that
+        ``auth/token`` issued for a key (the SDK sends it in the same header)."""
         key = request.headers.get("x-api-key", "")
+        if service.jwt is not None and looks_like_jwt(key):
+            return service.jwt.verify(key)
+        return key_owner(key)
+
+    def key_owner(key: str) -> str:
         if api_keys is not None:
             if key not in api_keys:
                 raise Unauthorized("X-API-Key: unknown key")
@@ -113,7 +139,7 @@ def create_app(
     async def client_config(request: Request) -> dict:
         owner(request)
         return {
-            "pjwt_auth_enabled": False,
+            "pjwt_auth_enabled": service.jwt is not None,
             "proto_compress_fwdbwd": service.config.compress_fwdbwd,
             "parallel_fwdbwd_chunks": True,
             "fwdbwd_max_chunk_len": service.config.fwdbwd_max_chunk_len,
@@ -127,12 +153,18 @@ def create_app(
     @route("POST", "/create_session")
     async def create_session(request: Request) -> dict:
         who = owner(request)
-        await parse(request, tt.CreateSessionRequest)
-        return {"type": "create_session", "session_id": service.sessions.create(who)}
+        req = await parse(request, tt.CreateSessionRequest)
+        session_id = service.sessions.create(who, req.user_metadata, req.display_name)
+        return {"type": "create_session", "session_id": session_id}
 
     @route("POST", "/session_heartbeat")
-    async def heartbeat(request: Request) -> dict:
-        owner(request)
+    async def heartbeat(request: Request) -> Any:
+        who = owner(request)
+        req = await parse(request, tt.SessionHeartbeatRequest)
+        try:
+            service.sessions.check(who, req.session_id)
+        except NotFound as exc:  # 410 ends the SDK's heartbeat loop
+            return JSONResponse({"detail": f"gone: {exc.args[0]}"}, status_code=410)
         return {"type": "session_heartbeat"}
 
     @route("POST", "/telemetry")
@@ -142,8 +174,31 @@ def create_app(
 
     @route("POST", "/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request) -> dict:
-        owner(request)
+        who = owner(request)
+        if session_id in service.sessions.owned(who):  # finishing twice is not an error
+            service.end_session(session_id)
         return {}
+
+    @route("GET", "/sessions")
+    async def list_sessions(request: Request, offset: int = 0, limit: int = 20) -> dict:
+        _check_page(offset, limit)
+        return {"sessions": service.sessions.owned(owner(request))[offset : offset + limit]}
+
+    @route("GET", "/sessions/{session_id}")
+    async def get_session(session_id: str, request: Request) -> dict:
+        session = service.sessions.check(owner(request), session_id)
+        return {
+            "training_run_ids": list(session.model_ids),
+            "sampler_ids": list(session.sampler_ids),
+            "user_metadata": session.user_metadata,
+            "display_name": session.display_name,
+        }
+
+    @route("POST", "/unload_model")
+    async def unload_model(request: Request) -> dict:
+        who = owner(request)
+        req = await parse(request, tt.UnloadModelRequest)
+        return {"request_id": service.training.unload(who, req.model_id)}
 
     @route("GET", "/healthz")
     async def healthz() -> dict:
@@ -287,10 +342,86 @@ def create_app(
             raise InputError("tinker_path: required") from None
         return service.runs.weights_info(who, path)
 
+    @route("POST", "/save_weights_external")
+    async def save_weights_external(request: Request) -> dict:
+        who = owner(request)
+        req, digest = await parse_seq_op(request, who, tt.SaveWeightsExternalRequest)
+        return {"request_id": service.runs.save_weights_external(who, req, digest)}
+
+    checkpoint = "/training_runs/{run_id}/checkpoints/{segment}/{name}"
+
+    @route("GET", checkpoint + "/external_weights_urls")
+    async def external_weights_urls(run_id: str, segment: str, name: str, request: Request) -> dict:
+        """One download URL per file, on this server, valid until ``expires``."""
+        who = owner(request)
+        tokens, expires = await run_in_threadpool(
+            service.runs.external_weights_urls, who, run_id, segment, name
+        )
+        base = f"{str(request.base_url).rstrip('/')}{PREFIX}/training_runs/{quote(run_id)}"
+        base += f"/checkpoints/{segment}/{quote(name)}/files/"
+        urls = {f: f"{base}{quote(f)}?token={quote(t)}" for f, t in tokens.items()}
+        return {"urls": urls, "expires": iso_time(expires)}
+
+    @route("GET", checkpoint + "/files/{file:path}")
+    async def external_weights_file(
+        run_id: str, segment: str, name: str, file: str, request: Request, token: str = ""
+    ) -> FileResponse:
+        """A file of an external-weights export: for the URL's token (plain downloaders send
+        no headers) or, without one, for the request's key."""
+        if token:
+            try:
+                who = service.runs.download_owner(token, run_id, segment, name, file)
+            except InvalidDownloadToken as exc:
+                raise Unauthorized(str(exc)) from None
+        else:
+            who = owner(request)
+        path = service.runs.external_file(who, run_id, segment, name, file)
+        return FileResponse(path, media_type="application/octet-stream")
+
+    @route("PUT", checkpoint + "/ttl")
+    async def set_checkpoint_ttl(run_id: str, segment: str, name: str, request: Request) -> dict:
+        who = owner(request)
+        fields = _loose_fields(await raw(request))
+        if "ttl_seconds" not in fields:
+            raise InputError("ttl_seconds: required (null removes the expiry)")
+        service.runs.set_ttl(who, run_id, segment, name, fields["ttl_seconds"])
+        return {}
+
+    @route("POST", "/copy_weights")
+    async def copy_weights(request: Request) -> dict:
+        who = owner(request)
+        req = await parse(request, tt.CopyWeightsRequest)
+        key = request.headers.get("x-idempotency-key", "")
+        path = await run_in_threadpool(service.runs.copy_weights, who, req, key)
+        return {"tinker_path": path}
+
+    # ------------------------------------------------------------ auth (opt-in JWT mode)
+
+    @route("POST", "/auth/token")
+    async def auth_token(request: Request) -> dict:
+        """Exchange a key (never a token) for a short-lived JWT: ``--jwt-auth`` only."""
+        if service.jwt is None:
+            raise NotFound("auth/token: JWT auth is off (start the server with --jwt-auth)")
+        key = request.headers.get("x-api-key", "")
+        if looks_like_jwt(key):
+            raise Unauthorized("X-API-Key: exchange a tml-... key, not a token")
+        return {"jwt": service.jwt.issue(key_owner(key))}
+
     return app
 
 
 MAX_PAGE = 1000
+
+
+async def _reap_forever(service: Service) -> None:
+    """Silent sessions end and idle snapshot engines go, on the event loop (what they touch
+    lives there); a failed round is logged and the next one runs."""
+    while True:
+        await asyncio.sleep(service.reap_interval)
+        try:
+            service.reap()
+        except Exception:  # noqa: BLE001 - the reaper must outlive one bad round
+            log.exception("session reaper")
 
 
 def _validate(cls: type[T], body: bytes) -> T:

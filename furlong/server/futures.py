@@ -49,6 +49,11 @@ class FutureStore:
         self._entries[request_id] = _Entry(owner=owner, created=time.monotonic())
         return request_id
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the futures (and the command logs) live on, once one was created."""
+        return self._loop
+
     def resolve(self, request_id: str, result: Any) -> None:
         """Set the result (bytes, a JSON dict or a :class:`Failure`); thread-safe."""
         assert self._loop is not None

@@ -49,6 +49,7 @@ def serve(
     compress_fwdbwd: bool = False,
     trainer_ranks: int = 1,
     optimizer_state_dir: str | None = None,
+    jwt_auth: bool = False,
 ) -> None:
     import uvicorn
 
@@ -65,6 +66,7 @@ def serve(
         compress_fwdbwd=compress_fwdbwd,
         trainer_ranks=trainer_ranks,
         optimizer_state_dir=optimizer_state_dir,
+        jwt_auth=jwt_auth,
     )
     for source in config.base_models.values():
         resolve(source)  # a pretrained model is built (once) before the port opens, not mid-request

@@ -9,7 +9,8 @@ peft's ``set_adapter`` only toggles ``requires_grad`` and inactive adapters take
 pass.
 
 Sampler snapshots (``save_sampler_weights``) are small for LoRA (adapter + config + base name);
-``sampling_model`` turns one into an independent plain HF model for the rollout engine.
+``sampling_model`` turns one into a model for a rollout engine (for LoRA: the adapter applied on
+the base's own weights).
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ from peft import PeftModel
 from furlong.errors import InputError
 from furlong.models.loading import atomic_dir, load_model, publish_dir
 from furlong.train import lora as peft_lora
+from furlong.train.checkpoint import safetensors_bytes
 from furlong.train.engine import EngineConfig, TrainingEngine
 from furlong.train.group import TrainerGroup
 from furlong.train.lora import LoraSpec
 from furlong.train.turns import around_turns
 from furlong.types import AdamParams, Datum, ForwardResult
 
-__all__ = ["LoraSpec", "ModelPool", "TrainingModel", "sampling_model"]
+__all__ = ["LoraSpec", "ModelPool", "TrainingModel", "sampling_model", "snapshot_bytes"]
 
 SNAPSHOT_FORMAT = "furlong-sampler-v1"
 SNAPSHOT_META = "furlong_sampler.json"
@@ -354,21 +356,35 @@ class TrainingModel:
             self.engine.close()
 
 
-def sampling_model(pool: ModelPool, path: Path) -> tuple[torch.nn.Module, Any]:
-    """``(model, tokenizer)``: a plain HF causal LM with a snapshot's weights, independent of
-    later training (for LoRA a copy of the base with the adapter merged). For the base model
-    itself use ``pool.base(name)``."""
-    root = Path(path)
+def _snapshot_meta(path: Path) -> dict:
     try:
-        meta = json.loads((root / SNAPSHOT_META).read_text())
+        meta = json.loads((Path(path) / SNAPSHOT_META).read_text())
     except (OSError, ValueError):
-        raise InputError(f"path: {root} is not a furlong sampler snapshot") from None
+        raise InputError(f"path: {path} is not a furlong sampler snapshot") from None
     if meta.get("format") != SNAPSHOT_FORMAT:
-        raise InputError(f"path: {root} has format {meta.get('format')!r}")
+        raise InputError(f"path: {path} has format {meta.get('format')!r}")
+    return meta
+
+
+def sampling_model(pool: ModelPool, path: Path) -> tuple[torch.nn.Module, Any]:
+    """``(model, tokenizer)``: a snapshot's weights for a rollout engine, independent of later
+    training. A LoRA snapshot shares its base's weights and applies the adapter unmerged (it
+    costs the adapter, never a base copy); a full fine-tune's is loaded whole. For the base
+    model itself use ``pool.base(name)``."""
+    meta = _snapshot_meta(path)
     if meta.get("kind") == "lora":
         base, tokenizer = pool.base(meta["base_model"])
-        model = peft_lora.merged_copy(base, root)
+        model = peft_lora.adapted_view(base, Path(path))
     else:
-        model, tokenizer = load_model(root, dtype=pool.dtype)
+        model, tokenizer = load_model(path, dtype=pool.dtype)
         model.requires_grad_(False)
     return model.to(pool.engine_config.device).eval(), tokenizer
+
+
+def snapshot_bytes(pool: ModelPool, path: Path) -> int:
+    """What ``sampling_model`` allocates for a snapshot (its adapter's or its model's tensors),
+    read from the safetensors headers before anything is loaded."""
+    meta = _snapshot_meta(path)
+    if meta.get("kind") == "lora":
+        return peft_lora.adapter_file_bytes(Path(path))
+    return sum(safetensors_bytes(f) for f in sorted(Path(path).glob("*.safetensors")))

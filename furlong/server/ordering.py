@@ -54,6 +54,8 @@ class CommandLog:
         self.gap_timeout = gap_timeout
         self.max_ahead = max_ahead
         self._pending: dict[int, tuple[str, Callable[[], Any]]] = {}
+        self._closing: tuple[str, Callable[[], Any]] | None = None  # the last op (``close``)
+        self.closed = False
         self._seen: OrderedDict[int, _Slot] = OrderedDict()
         self._running = False
         self._gap_timer: asyncio.TimerHandle | None = None
@@ -99,7 +101,23 @@ class CommandLog:
         failure = Failure(str(error.args[0]) if error.args else str(error), "user")
         self._add(seq_id, lambda: failure, _Slot(self.store.create(self.owner), fingerprint, error))
 
+    def close(self, op: Callable[[], Any], reason: str) -> str:
+        """End the log: the queued operations fail with ``reason``, later ones are refused, and
+        ``op`` (the model's release) runs once the running operation is done. Its request id."""
+        request_id = self.store.create(self.owner)
+        self.closed = True
+        if self._gap_timer is not None:
+            self._gap_timer.cancel()
+            self._gap_timer = None
+        for seq in sorted(self._pending):
+            self.store.resolve(self._pending.pop(seq)[0], Failure(reason, "user"))
+        self._closing = (request_id, op)
+        self._pump()
+        return request_id
+
     def _add(self, seq_id: int, op: Callable[[], Any], slot: _Slot) -> str:
+        if self.closed:
+            raise InputError("model_id: the model was unloaded")
         self._seen[seq_id] = slot
         while len(self._seen) > _REMEMBERED:
             self._seen.popitem(last=False)
@@ -110,7 +128,11 @@ class CommandLog:
     def _pump(self) -> None:
         if self._running:
             return
-        item = self._pending.pop(self.next_seq, None)
+        if self._closing is not None:
+            item: tuple[str, Callable[[], Any]] | None = self._closing
+            self._closing = None
+        else:
+            item = self._pending.pop(self.next_seq, None)
         if item is None:
             if self._pending and self._gap_timer is None:
                 loop = asyncio.get_running_loop()

@@ -1,61 +1,85 @@
-"""Sampling in the Tinker service: sampling sessions, their rollout engines, and the translation
-of Tinker's ``SampleRequest`` into furlong's :class:`SamplingParams`.
+"""Sampling in the Tinker service: samplers (sampling sessions) and ``sample`` on a served base
+model or on a sampler snapshot.
 
-A sampler samples either a served base model (one engine per base, shared by every tenant) or
-a sampler snapshot (``save_weights_for_sampler``): an independent copy of the weights it was
-made from, so training goes on without changing it. Each engine is fed fairly across tenants
-by a :class:`FairFeeder`; loaded snapshots are kept for reuse (LRU).
+A sampler is a small record: its owner, session, base model and, for a snapshot, the files
+``save_weights_for_sampler`` wrote. What sampling needs in memory is an engine: one per base
+model (shared by every tenant), and one per snapshot, loaded on demand and released within
+bounds by :class:`SnapshotCache` (a LoRA snapshot's engine shares its base's weights and costs
+only its adapter). Each engine is fed fairly across tenants by a :class:`FairFeeder`.
 
-Hostile input is bounded before it is allocated: prompt + ``max_tokens`` within the model's
-context, and ``num_samples`` / ``max_tokens`` / top-k caps.
+Snapshots made by ``save_weights_for_sampler`` with a ``sampling_session_seq_id`` (what
+``save_weights_and_get_sampling_client`` does every RL step) belong to their session: they are
+not checkpoints, and they are deleted when the session ends.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tinker import types as tt
 
 from furlong.errors import InputError
-from furlong.rollout.base import GenerateResult
 from furlong.rollout.engine import EmbeddedEngine
-from furlong.rollout.sampling import MAX_SEED, SamplingParams, fit_max_tokens
-from furlong.server import proto
+from furlong.server.compute_lane import ComputeLane
 from furlong.server.futures import Failure, FutureStore
-from furlong.server.models import ModelPool, sampling_model
+from furlong.server.models import ModelPool, sampling_model, snapshot_bytes
 from furlong.server.sample_feeder import FairFeeder
+from furlong.server.sample_request import SampleCaps, check_request, sample_result
 from furlong.server.sessions import NotFound, Sessions
+from furlong.server.snapshot_cache import SnapshotCache
 from furlong.server.state import CheckpointRef, StateDir
 
 if TYPE_CHECKING:
     from furlong.server.service import ServiceConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Sampler:
     owner: str
-    feeder: FairFeeder
+    session_id: str | None
     base_model: str
-    model_path: str | None  # tinker://…/sampler_weights/…, or None for the base model
+    model_path: str | None  # tinker://…/sampler_weights/… of a named snapshot
+    snapshot: Path | None  # the snapshot's files; None: the base model
 
 
-@dataclass
 class Sampling:
-    config: ServiceConfig
-    pool: ModelPool
-    sessions: Sessions
-    state: StateDir
-    futures: FutureStore
-    _samplers: dict[str, _Sampler] = field(default_factory=dict, init=False)  # by session id
-    _base_feeders: dict[str, FairFeeder] = field(default_factory=dict, init=False)  # by base
-    _snapshots: OrderedDict[Path, FairFeeder] = field(default_factory=OrderedDict, init=False)
-    # HTTP, compute and threadpool threads share the snapshot cache
-    _snapshots_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    def __init__(
+        self,
+        config: ServiceConfig,
+        pool: ModelPool,
+        sessions: Sessions,
+        state: StateDir,
+        futures: FutureStore,
+        lane: ComputeLane,
+    ):
+        self.config, self.pool, self.sessions = config, pool, sessions
+        self.state, self.futures = state, futures
+        self.caps = SampleCaps(
+            config.max_samples, config.max_sample_tokens, config.max_top_logprobs
+        )
+        self.snapshots = SnapshotCache(
+            self._build,
+            lambda path: snapshot_bytes(self.pool, path),
+            lane.submit,
+            max_bytes=config.sampler_memory_mb << 20,
+            max_engines=config.snapshot_engines,
+            idle_s=config.sampler_idle_s,
+        )
+        self._lock = threading.Lock()  # _samplers and _base_feeders: HTTP and lane threads
+        self._samplers: dict[str, _Sampler] = {}
+        self._base_feeders: dict[str, FairFeeder] = {}
+        # session-owned snapshots; sessions do not outlive the process, so neither do these
+        self.session_root = Path(config.state_dir) / "sessions"
+        shutil.rmtree(self.session_root, ignore_errors=True)
+
+    # ---------------------------------------------------------------- samplers
 
     def create_sampling_session(self, owner: str, req: tt.CreateSamplingSessionRequest) -> str:
         self.sessions.check(owner, req.session_id)
@@ -66,188 +90,148 @@ class Sampling:
                     "model_path: sample from a sampler_weights/ path "
                     "(save_weights_for_sampler), not a training-state path"
                 )
+            path = self.state.owned_checkpoint(owner, ref)
             base = (self.state.read_run(ref.run_id) or {}).get("base_model", "")
-            return self.new_sampler(owner, base, ref.uri)
+            return self.new_sampler(owner, req.session_id, base, path, ref.uri)
         if not req.base_model:
             raise InputError("base_model: required when no model_path is given")
         self.pool.check_served(req.base_model)
-        return self.new_sampler(owner, req.base_model, None)
+        return self.new_sampler(owner, req.session_id, req.base_model, None)
 
-    def new_sampler(self, owner: str, base_model: str, model_path: str | None) -> str:
-        feeder = self._feeder(owner, base_model, model_path)
+    def session_snapshot_dir(self, session_id: str, model_id: str, seq: int) -> Path:
+        """Where ``save_weights_for_sampler`` puts a snapshot its session owns."""
+        name = f"{model_id.replace(':', '_')}-{seq}"
+        return self.session_root / session_id / name
+
+    def new_sampler(
+        self,
+        owner: str,
+        session_id: str | None,
+        base_model: str,
+        snapshot: Path | None,
+        model_path: str | None = None,
+    ) -> str:
+        """Register a sampler (its engine is loaded when it first samples)."""
         sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
-        self._samplers[sampler_id] = _Sampler(owner, feeder, base_model, model_path)
+        sampler = _Sampler(owner, session_id, base_model, model_path, snapshot)
+        with self._lock:
+            self._samplers[sampler_id] = sampler
+        if session_id is not None:
+            self.sessions.add_sampler(session_id, sampler_id)
         return sampler_id
 
-    def _feeder(self, owner: str, base_model: str, model_path: str | None) -> FairFeeder:
-        """The fair feeder of a rollout engine over a base model or over a sampler snapshot."""
-        if model_path is None:
-            feeder = self._base_feeders.get(base_model)
-            if feeder is None:
-                feeder = self._new_feeder(*self.pool.base(base_model))
-                self._base_feeders[base_model] = feeder
-            return feeder
-        path = self.state.owned_checkpoint(owner, CheckpointRef.parse(model_path))
-        with self._snapshots_lock:
-            feeder = self._snapshots.pop(path, None)
-            if feeder is None:  # a snapshot changes only when re-saved, which evicts it
-                feeder = self._new_feeder(*sampling_model(self.pool, path))
-            self._snapshots[path] = feeder
-            while len(self._snapshots) > self.config.snapshot_engines:
-                self._snapshots.popitem(last=False)  # live samplers keep their own reference
-            return feeder
-
-    def _new_feeder(self, model: Any, tokenizer: Any) -> FairFeeder:
-        return FairFeeder(EmbeddedEngine(model, tokenizer, max_running=self.config.sampler_slots))
-
     def forget_snapshot(self, path: Path) -> None:
-        """Drop a snapshot's cached engine (it is being re-saved or deleted)."""
-        with self._snapshots_lock:
-            self._snapshots.pop(path, None)
+        """Snapshot ``path`` is about to be overwritten or deleted: the live samplers on it keep
+        the weights they were made with, in a hard-linked copy of its files (no bytes copied)
+        that their session owns and deletes, and its loaded engine moves with them."""
+        with self._lock:
+            users = [(i, s) for i, s in self._samplers.items() if s.snapshot == path]
+        if not users or not path.is_dir():
+            self.snapshots.forget(path)
+            return
+        moved = False
+        for session_id in {s.session_id for _, s in users}:
+            copy = self.session_root / str(session_id) / f"kept-{uuid.uuid4().hex[:12]}"
+            shutil.copytree(path, copy, copy_function=os.link)
+            with self._lock:
+                for sampler_id, s in users:
+                    if s.session_id == session_id:
+                        self._samplers[sampler_id] = replace(s, snapshot=copy)
+            if not moved:  # the first session takes the loaded engine; others rebuild theirs
+                self.snapshots.move(path, copy)
+                moved = True
+
+    def end_session(self, session_id: str, sampler_ids: list[str]) -> None:
+        """An ended session's samplers go, with the engines only they used and the snapshots
+        the session owned."""
+        with self._lock:
+            for sampler_id in sampler_ids:
+                self._samplers.pop(sampler_id, None)
+        self.snapshots.drop_users(sampler_ids)
+        # not checkpoints: nothing to keep if a crash interrupts this (start-up wipes the rest)
+        shutil.rmtree(self.session_root / session_id, ignore_errors=True)
 
     def sampler_info(self, owner: str, sampler_id: str) -> dict:
         s = self._sampler(owner, sampler_id)
         return {"sampler_id": sampler_id, "base_model": s.base_model, "model_path": s.model_path}
 
     def _sampler(self, owner: str, sampler_id: str) -> _Sampler:
-        s = self._samplers.get(sampler_id)
+        with self._lock:
+            s = self._samplers.get(sampler_id)
         if s is None or s.owner != owner:
-            raise NotFound(f"sampler {sampler_id!r}")
+            raise NotFound(f"sampler {sampler_id!r} (unknown, or its session ended)")
+        if s.session_id is not None:
+            self.sessions.touch(s.session_id)
         return s
 
+    # ---------------------------------------------------------------- engines
+
+    def _base_feeder(self, base_model: str) -> FairFeeder:
+        with self._lock:
+            feeder = self._base_feeders.get(base_model)
+        if feeder is None:  # two racing threads build two; one is kept (the base is shared)
+            feeder = self._feeder(*self.pool.base(base_model))
+            with self._lock:
+                feeder = self._base_feeders.setdefault(base_model, feeder)
+        return feeder
+
+    def _build(self, path: Path) -> FairFeeder:
+        """A snapshot's engine (runs on the compute lane)."""
+        return self._feeder(*sampling_model(self.pool, path))
+
+    def _feeder(self, model: Any, tokenizer: Any) -> FairFeeder:
+        return FairFeeder(EmbeddedEngine(model, tokenizer, max_running=self.config.sampler_slots))
+
+    def _engine(self, owner: str, sampler_id: str | None, s: _Sampler) -> Future[FairFeeder]:
+        if s.snapshot is None:
+            done: Future[FairFeeder] = Future()
+            done.set_result(self._base_feeder(s.base_model))
+            return done
+        return self.snapshots.engine(owner, s.snapshot, sampler_id)
+
+    # ---------------------------------------------------------------- sample
+
     def sample(self, owner: str, req: tt.SampleRequest) -> tuple[str, list[str]]:
-        """Queue ``num_samples`` sequences; returns the request id and the sequence ids."""
-        if req.sampling_session_id:
-            feeder = self._sampler(owner, req.sampling_session_id).feeder
-        else:  # legacy addressing: no sampling session is registered
-            if not req.model_path:
-                self.pool.check_served(req.base_model or "")
-            feeder = self._feeder(owner, req.base_model or "", req.model_path)
-        for name in ("prompt_alt_tokens_k", "target_prompt_logprobs", "record_stability_info"):
-            if getattr(req, name, None):
-                raise InputError(f"{name}: not supported by furlong")
-        if not 1 <= req.num_samples <= self.config.max_samples:
-            raise InputError(
-                f"num_samples: must be in [1, {self.config.max_samples}], got {req.num_samples}"
-            )
-        top = self.config.max_top_logprobs
-        for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
-            k = getattr(req, name)
-            if not 0 <= k <= top:  # each is k entries per token of every sequence returned
-                raise InputError(f"{name}: must be in [0, {top}], got {k}")
-        if (top_k := req.sampling_params.top_k) < -1:
-            raise InputError(f"sampling_params.top_k: -1 or 0 (no limit) or >= 1, got {top_k}")
-        prompt = _tokens(req.prompt, "prompt")
-        scored_from = _prompt_scored_from(req, len(prompt))
-        params = self._sampling_params(req, len(prompt), feeder.engine)
-        futures = feeder.submit(owner, [prompt] * req.num_samples, params)  # checked whole
+        """Queue ``num_samples`` sequences; returns the request id and the sequence ids. Never
+        waits: a snapshot engine that is not loaded is built on the compute lane first."""
+        sampler_id = req.sampling_session_id
+        s = self._sampler(owner, sampler_id) if sampler_id else self._legacy(owner, req)
+        shape = self._base_feeder(s.base_model).engine  # a snapshot keeps its base's shape
+        checked = check_request(req, shape, self.caps)
+        prompts = [checked.prompt] * req.num_samples
+        shape.check_requests(prompts, checked.params)  # the whole request, before queueing
         request_id = self.futures.create(owner)
 
-        def done(_f: Any) -> None:
-            if all(f.done() for f in futures):
-                self.futures.resolve(request_id, _sample_result(futures, scored_from))
+        def start(engine: Future[FairFeeder]) -> None:
+            try:
+                futures = engine.result().submit(owner, prompts, checked.params)
+            except Exception as exc:  # noqa: BLE001 - reported through the future
+                failure = (
+                    Failure(str(exc), "user")
+                    if isinstance(exc, InputError)
+                    else Failure(f"{type(exc).__name__}: {exc}", "server")
+                )
+                self.futures.resolve(request_id, failure)
+                return
 
-        for f in futures:
-            f.add_done_callback(done)
+            def done(_f: Any) -> None:
+                if all(f.done() for f in futures):
+                    self.futures.resolve(request_id, sample_result(futures, checked.scored_from))
+
+            for f in futures:
+                f.add_done_callback(done)
+
+        self._engine(owner, sampler_id, s).add_done_callback(start)
         return request_id, [f"{request_id}-{i}" for i in range(req.num_samples)]
 
-    def _sampling_params(
-        self, req: tt.SampleRequest, prompt_len: int, engine: EmbeddedEngine
-    ) -> list[SamplingParams]:
-        sp = req.sampling_params
-        max_tokens = fit_max_tokens(
-            sp.max_tokens,
-            prompt_len,
-            engine.context_length,
-            self.config.max_sample_tokens,
-            "sampling_params.max_tokens",
-        )
-        if sp.seed is not None and not 0 <= sp.seed <= MAX_SEED - (req.num_samples - 1):
-            raise InputError(  # sample i draws with seed + i
-                f"sampling_params.seed: must be in [0, 2**64 - num_samples], got {sp.seed}"
-            )
-        stop_ids: tuple[int, ...] | None = None
-        stop_strings: tuple[str, ...] = ()
-        if sp.stop is not None:
-            stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
-            if all(isinstance(s, int) for s in stops):
-                stop_ids = tuple(stops)  # [] -> never stop, not even at EOS
-                for j, t in enumerate(stop_ids):  # an id outside could never end a sequence
-                    if not 0 <= t < engine.vocab_size:
-                        raise InputError(
-                            f"sampling_params.stop[{j}]: token id {t} outside "
-                            f"[0, {engine.vocab_size})"
-                        )
-            elif all(isinstance(s, str) for s in stops):
-                stop_strings = tuple(stops)
-            else:
-                raise InputError("sampling_params.stop: mixes strings and token ids")
-        base = dict(
-            max_tokens=max_tokens,
-            temperature=sp.temperature,
-            top_k=sp.top_k if sp.top_k > 0 else 0,
-            top_p=sp.top_p,
-            stop_token_ids=stop_ids,
-            stop=stop_strings,
-            top_logprobs=req.topk_sample_logprobs,
-        )
-        return [
-            SamplingParams(  # checks and names the remaining fields
-                **base,
-                seed=None if sp.seed is None else sp.seed + i,
-                prompt_logprobs=bool(req.prompt_logprobs) and i == 0,
-                prompt_top_logprobs=req.topk_prompt_logprobs if i == 0 else 0,
-            )
-            for i in range(req.num_samples)
-        ]
-
-
-def _tokens(model_input: tt.ModelInput, field_name: str) -> list[int]:
-    tokens: list[int] = []
-    for j, chunk in enumerate(model_input.chunks):
-        if getattr(chunk, "type", None) != "encoded_text":
-            raise InputError(f"{field_name}.chunks[{j}]: only encoded_text chunks are supported")
-        tokens.extend(int(t) for t in chunk.tokens)
-    if not tokens:
-        raise InputError(f"{field_name}: empty")
-    return tokens
-
-
-def _prompt_scored_from(req: tt.SampleRequest, prompt_len: int) -> int:
-    """The first prompt position whose log-probs are returned (``prompt_logprobs_last_n``)."""
-    last_n = req.prompt_logprobs_last_n
-    if last_n is None:
-        return 1
-    if not req.prompt_logprobs:
-        raise InputError("prompt_logprobs_last_n: requires prompt_logprobs")
-    if not 1 <= last_n <= prompt_len - 1:
-        raise InputError(
-            f"prompt_logprobs_last_n: must be in [1, {prompt_len - 1}] for this prompt, "
-            f"got {last_n}"
-        )
-    return prompt_len - last_n
-
-
-def _sample_result(futures: list, scored_from: int) -> Any:
-    try:
-        results: list[GenerateResult] = [f.result() for f in futures]
-    except InputError as e:
-        return Failure(str(e), "user")
-    except Exception as e:  # noqa: BLE001 - reported to the client, not raised in a callback
-        return Failure(f"{type(e).__name__}: {e}", "server")
-    sequences = [
-        proto.SampledSeq(
-            tokens=r.output_ids,
-            logprobs=r.output_logprobs,
-            stop_reason="length" if r.finish_reason == "length" else "stop",
-            topk=r.top_logprobs,
-        )
-        for r in results
-    ]
-    first = results[0]
-    prompt_lp, prompt_top = first.prompt_logprobs, first.prompt_top_logprobs
-    if prompt_lp is not None:
-        prompt_lp = [None] * scored_from + prompt_lp[scored_from:]
-    if prompt_top is not None:
-        prompt_top = [None] * scored_from + prompt_top[scored_from:]
-    return proto.encode_sample_response(sequences, prompt_lp, prompt_top)
+    def _legacy(self, owner: str, req: tt.SampleRequest) -> _Sampler:
+        """A request that names its model instead of a sampling session."""
+        if not req.model_path:
+            self.pool.check_served(req.base_model or "")
+            return _Sampler(owner, None, req.base_model or "", None, None)
+        ref = CheckpointRef.parse(req.model_path, "model_path")
+        if ref.segment != "sampler_weights":
+            raise InputError("model_path: sample from a sampler_weights/ path")
+        path = self.state.owned_checkpoint(owner, ref)
+        base = (self.state.read_run(ref.run_id) or {}).get("base_model", "")
+        return _Sampler(owner, None, base, ref.uri, path)

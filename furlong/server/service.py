@@ -6,7 +6,8 @@ wired together, for ``app.py`` to map routes onto.
   logs, ``forward_backward`` and ``optim_step``;
 - ``sampling`` (sampling.py): sampling sessions and ``sample`` on base models or snapshots;
 - ``runs`` (runs.py): checkpoints (save, load, delete) and the run and checkpoint listings;
-- ``pool`` (models.py): the served base models and every run's TrainingModel on them.
+- ``pool`` (models.py): the served base models and every run's TrainingModel on them;
+- ``jwt`` (jwt_auth.py): with ``jwt_auth``, the short-lived tokens keys are exchanged for.
 
 Hostile input is bounded before it is allocated: inflated body size, datums, tokens and dense
 tensor elements per request (``proto.Limits``), and the sampling caps (sampling.py).
@@ -15,6 +16,8 @@ tensor elements per request (``proto.Limits``), and the sampling caps (sampling.
 from __future__ import annotations
 
 import hashlib
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from furlong.errors import InputError
 from furlong.server import proto
 from furlong.server.compute_lane import ComputeLane
 from furlong.server.futures import FutureStore
+from furlong.server.jwt_auth import JwtAuth
 from furlong.server.models import ModelPool
 from furlong.server.runs import Runs
 from furlong.server.sampling import Sampling
@@ -49,17 +53,24 @@ class ServiceConfig:
     gap_timeout: float = 600.0
     max_seq_ahead: int = 1 << 14  # a seq_id further ahead of the next one is refused
     sampler_slots: int = 32
-    snapshot_engines: int = 4  # sampler snapshots kept loaded for reuse (LRU)
+    snapshot_engines: int = 8  # sampler snapshot engines kept loaded (LRU) ...
+    sampler_memory_mb: int = 4096  # ... within this many MB of snapshot weights (LoRA: adapters)
+    sampler_idle_s: float = 600.0  # a snapshot engine unused this long is released (0: never)
+    session_timeout: float = 120.0  # a session silent this long ends (0: never; SDK beats: 10 s)
+    max_models_per_key: int = 16  # training models one API key may hold loaded (0: no limit)
     compress_fwdbwd: bool = False  # ask clients to zstd forward_backward bodies
     fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request (client-side split)
     trainer_ranks: int = 1  # > 1: full fine-tunes train on that many FSDP2 ranks (LoRA: 1)
     optimizer_state_dir: str | None = None  # every model's optimizer state on disk there
+    jwt_auth: bool = False  # clients exchange their key for a short-lived JWT (auth/token)
+    ttl_sweep_interval: float = 60.0  # seconds between sweeps deleting expired checkpoints
+    clock: Callable[[], float] = time.time  # wall time for checkpoint TTLs, URLs and JWTs
 
 
 class Service:
     def __init__(self, config: ServiceConfig):
         self.config = config
-        state = StateDir(config.state_dir)
+        state = StateDir(config.state_dir, clock=config.clock)
         self.pool = ModelPool(
             config.base_models,
             full_finetune=config.full_finetune,
@@ -71,12 +82,38 @@ class Service:
         )
         self.futures = FutureStore(poll_timeout=config.poll_timeout)
         self.lane = ComputeLane()
-        self.sessions = Sessions()
+        self.sessions = Sessions(config.session_timeout)
         self.training = TrainingRuns(
             config, self.pool, self.sessions, state, self.futures, self.lane
         )
-        self.sampling = Sampling(config, self.pool, self.sessions, state, self.futures)
+        self.sampling = Sampling(config, self.pool, self.sessions, state, self.futures, self.lane)
         self.runs = Runs(state, self.pool, self.sessions, self.training, self.sampling)
+        self.runs.ttl.sweep()  # checkpoints that expired while the server was down
+        self.ttl_sweeper = self.runs.ttl.start(config.ttl_sweep_interval)
+        self.jwt = JwtAuth(config.clock) if config.jwt_auth else None
+
+    def end_session(self, session_id: str) -> bool:
+        """Unload the session's models and release its samplers (on the event loop; the models'
+        memory is freed on the compute lane once their running operations are done). The
+        saved checkpoints stay. False if it had already ended."""
+        session = self.sessions.end(session_id)
+        if session is None:
+            return False
+        self.training.end_session(session.model_ids)
+        self.sampling.end_session(session_id, session.sampler_ids)
+        return True
+
+    def reap(self) -> int:
+        """End the sessions silent past ``session_timeout`` and release snapshot engines idle
+        past ``sampler_idle_s`` (on the event loop, every ``reap_interval`` s). Sessions ended."""
+        ended = sum(self.end_session(sid) for sid in self.sessions.silent())
+        self.sampling.snapshots.release_idle()
+        return ended
+
+    @property
+    def reap_interval(self) -> float:
+        bounds = [t / 4 for t in (self.config.session_timeout, self.config.sampler_idle_s) if t > 0]
+        return min([30.0, *bounds])
 
     def limits(self, max_bytes: int | None) -> proto.Limits:
         c = self.config

@@ -51,14 +51,17 @@ class DecodedFwdBwd:
 
 @dataclass
 class _TrainingRun:
-    """One ``model_id``: its command log and, from operation 0 on, its TrainingModel."""
+    """One ``model_id``: its command log and, from operation 0 on until it is unloaded, its
+    TrainingModel."""
 
     owner: str
+    session_id: str
     log: CommandLog
     base_model: str
     lora: LoraSpec | None
     user_metadata: dict[str, Any] | None
     training_model: TrainingModel | None = None  # set by operation 0
+    unloaded: bool = False
 
 
 @dataclass
@@ -104,8 +107,14 @@ class TrainingRuns:
         if model_seq_id < 0:
             raise InputError(f"model_seq_id: must be >= 0, got {model_seq_id}")
         model_id = f"{session_id}:train:{model_seq_id}"
-        if model_id in self._runs:
+        if model_id in self._runs or self.state.read_run(model_id) is not None:
             raise InputError(f"model_seq_id: {model_seq_id} already used in this session")
+        cap = self.config.max_models_per_key
+        if cap and len(self.loaded(owner)) >= cap:
+            raise InputError(
+                f"base_model: this API key already has {cap} models loaded, the server's limit "
+                "(--max-models-per-key); unload one (unload_model) or end its session first"
+            )
         log = CommandLog(
             self.futures,
             self.lane.executor(owner),
@@ -114,8 +123,9 @@ class TrainingRuns:
             gap_timeout=self.config.gap_timeout,
             max_ahead=self.config.max_seq_ahead,
         )
-        run = _TrainingRun(owner, log, base_model, lora, user_metadata)
+        run = _TrainingRun(owner, session_id, log, base_model, lora, user_metadata)
         self._runs[model_id] = run
+        self.sessions.add_model(session_id, model_id)
 
         def create() -> dict:
             model = self.pool.create(model_id, base_model, lora, optimizer=optimizer)
@@ -159,7 +169,45 @@ class TrainingRuns:
         run = self._runs.get(model_id)
         if run is None or run.owner != owner:
             raise NotFound(f"model {model_id!r}")
+        if run.unloaded:
+            raise NotFound(
+                f"model {model_id!r} was unloaded (unload_model, or its session ended); its "
+                "saved checkpoints remain: load one into a new model to go on"
+            )
+        self.sessions.touch(run.session_id)
         return run
+
+    def session_id(self, model_id: str) -> str:
+        """The session that created ``model_id`` (a known model)."""
+        return self._runs[model_id].session_id
+
+    def loaded(self, owner: str) -> list[str]:
+        """The model ids of ``owner`` that hold memory (created or being created, not unloaded)."""
+        return [m for m, r in self._runs.items() if r.owner == owner and not r.unloaded]
+
+    def unload(self, owner: str, model_id: str) -> str:
+        """``unload_model``: the model's queued operations fail, later ones are refused, and its
+        memory is freed once the running one is done; the run's checkpoints stay. A future id
+        (call on the event loop, like every command-log operation)."""
+        return self._close(model_id, self._run(owner, model_id))
+
+    def end_session(self, model_ids: list[str]) -> None:
+        """The models of an ended session are unloaded (on the event loop)."""
+        for model_id in model_ids:
+            run = self._runs.get(model_id)
+            if run is not None and not run.unloaded:
+                self._close(model_id, run)
+
+    def _close(self, model_id: str, run: _TrainingRun) -> str:
+        run.unloaded = True
+
+        def release() -> dict:
+            model, run.training_model = run.training_model, None
+            if model is not None:
+                self.pool.remove(model_id)
+            return {"model_id": model_id, "type": "unload_model"}
+
+        return run.log.close(release, f"model_id: {model_id!r} was unloaded before this ran")
 
     def get_info(self, owner: str, model_id: str) -> dict:
         run = self._run(owner, model_id)
@@ -194,9 +242,11 @@ class TrainingRuns:
             raise
 
         def on_model() -> Any:
-            if run.training_model is None:  # creation failed (its future says why)
-                raise InputError("model_id: the model could not be created")
-            return op(run.training_model)
+            model = run.training_model
+            if model is None:  # creation failed (its future says why), or it was unloaded
+                why = "was unloaded" if run.unloaded else "could not be created"
+                raise InputError(f"model_id: the model {why}")
+            return op(model)
 
         return run.log.submit(seq, on_model, fingerprint)
 

@@ -182,6 +182,18 @@ def check_tensors(
             )
 
 
+def safetensors_bytes(path: str | os.PathLike) -> int:
+    """The tensor bytes of a safetensors file, from its header alone (8-byte length, JSON)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return sum(
+        e["data_offsets"][1] - e["data_offsets"][0]
+        for k, e in header.items()
+        if k != "__metadata__"
+    )
+
+
 def restore_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], aliases: dict) -> None:
     full = dict(tensors) | {alias: tensors[name] for alias, name in aliases.items()}
     model.load_state_dict(full, strict=True)

@@ -45,7 +45,7 @@ from furlong.train.prefix_sharing import Trunk, plan_prefixes, shared_prefix_hid
 from furlong.train.replay import concat_supports, row_supports
 from furlong.train.routing_replay import check_routing, forced_rows, replay_routing
 from furlong.train.turns import turn_point
-from furlong.train.validation import validate_batch
+from furlong.train.validation import check_losses, validate_batch
 from furlong.types import AdamParams, Datum, ForwardResult
 
 
@@ -162,15 +162,40 @@ class TrainingEngine(Trainer):
         lengths = [len(d) for d in call.datums]
         loss_sum, results = 0.0, []
         plan = self.parallel.microbatches(lengths, self.config.max_tokens_per_microbatch)
-        for k, group in enumerate(plan):
-            if k:
-                turn_point()  # a shared server may run another tenant's unit here
-            with self.parallel.around_microbatch():
-                total, outs = self.run_group(valid, group)
-            loss_sum += total
-            results += outs
-        outputs, loss_sum = self.parallel.gather(loss_sum, results, len(call.datums))
+        # the pass accumulates into fresh gradients, added to the pending ones only once its
+        # loss is known finite: a refused or failed pass leaves them as they were
+        pending = self._set_aside_grads() if call.backward else None
+        try:
+            for k, group in enumerate(plan):
+                if k:
+                    turn_point()  # a shared server may run another tenant's unit here
+                with self.parallel.around_microbatch():
+                    total, outs = self.run_group(valid, group)
+                loss_sum += total
+                results += outs
+            outputs, loss_sum = self.parallel.gather(loss_sum, results, len(call.datums))
+            check_losses(valid.objective.name, outputs, loss_sum)  # same float on every rank
+        except BaseException:
+            if pending is not None:
+                self._restore_grads(pending, keep_pass=False)
+            raise
+        if pending is not None:
+            self._restore_grads(pending, keep_pass=True)
         return ForwardResult(outputs, call_metrics(call.datums, loss_sum))
+
+    def _set_aside_grads(self) -> list[torch.Tensor | None]:
+        """The pending gradients, taken off the parameters (while a pass runs on top of
+        pending ones it holds a second set)."""
+        pending = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return pending
+
+    def _restore_grads(self, pending: list[torch.Tensor | None], keep_pass: bool) -> None:
+        """``pending`` plus the pass's gradients (``keep_pass``), or ``pending`` alone."""
+        for p, old in zip(self.params, pending, strict=True):
+            new = p.grad if keep_pass else None
+            p.grad = old if new is None else new if old is None else old.add_(new)
 
     def validate(self, call: LossCall) -> ValidCall:
         """Validate a whole request (nothing runs or changes before it passes)."""
@@ -371,7 +396,7 @@ class TrainingEngine(Trainer):
         model = self.model if self._merged is None else self._merged()
         return save_hf_dir(model, self.tokenizer, path)
 
-    def weights(self) -> dict[str, torch.Tensor]:
+    def weights(self) -> Mapping[str, torch.Tensor]:
         """What a rollout engine needs to sample like this trainer (``update_weights`` takes
         it): the trainable weights by name (from the host backup while asleep under
         colocation), or every weight of the merged model for an adapter."""
@@ -379,8 +404,10 @@ class TrainingEngine(Trainer):
             if self._merged is not None:
                 raise InputError("weights: an adapter engine is asleep; wake() it to merge")
             return dict(self.host_weights)
-        if self._merged is not None:  # parameters, not state_dict: a tied weight once
-            return {n: p.detach() for n, p in self._merged().named_parameters()}
+        if self._merged is not None:  # the merged model's parameters, read without a copy
+            from furlong.train.lora import merged_weights  # peft: only adapter engines need it
+
+            return merged_weights(self.model)
         return {n: p.detach() for n, p in zip(self.param_names, self.params, strict=True)}
 
     # ---------------------------------------------------------------- colocation

@@ -16,12 +16,13 @@ import copy
 import hashlib
 import itertools
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
@@ -162,23 +163,83 @@ def save_adapter(out: Path, peft_model: PeftModel, name: str) -> None:
     peft_model.peft_config[name].save_pretrained(str(out))
 
 
-def merged_copy(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
-    """An independent plain copy of ``base`` with the adapter of ``adapter_dir`` merged in."""
+def adapted_view(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
+    """A model of ``base``'s class whose weights *are* ``base``'s, with the adapter of
+    ``adapter_dir`` applied unmerged (peft's LoRA layers): it costs the adapter's tensors, never
+    a copy of the base, and later training of other adapters on the base cannot change it."""
     config = LoraConfig.from_pretrained(str(adapter_dir))
     tensors = load_file(str(adapter_dir / WEIGHTS_FILE))
     name = "m_snapshot"
     with torch.random.fork_rng(devices=[]):  # peft initializes the adapter before the load
-        model = get_peft_model(copy.deepcopy(base), config, adapter_name=name)
+        model = get_peft_model(share_weights(base), config, adapter_name=name)
     ckpt.check_tensors(dict(adapter_params(model, name)), tensors)
     set_peft_model_state_dict(model, tensors, adapter_name=name)
-    return merge(model)
+    view = model.get_base_model()  # the HF model with the LoRA layers in it
+    view.requires_grad_(False)
+    return view
+
+
+def adapter_file_bytes(adapter_dir: Path) -> int:
+    """What ``adapted_view`` allocates for ``adapter_dir``: its tensors' bytes, read from the
+    safetensors header before anything is loaded."""
+    return ckpt.safetensors_bytes(adapter_dir / WEIGHTS_FILE)
 
 
 def merged_model(peft_model: PeftModel) -> torch.nn.Module:
-    """A plain HF model with the active adapter merged (for a rollout engine or an HF export).
-    Merged on a copy: merging in place and unmerging afterwards would leave round-off in the
-    trained weights."""
+    """A plain HF model with the active adapter merged (for an HF export). Merged on a copy:
+    merging in place and unmerging afterwards would leave round-off in the trained weights.
+    A rollout engine takes :func:`merged_weights` instead, which copies no model."""
     return merge(copy.deepcopy(peft_model))
+
+
+def merged_weights(peft_model: PeftModel) -> Mapping[str, torch.Tensor]:
+    """The parameters of ``merged_model(peft_model)`` by name, without copying the model: a
+    weight under the active adapter is computed when it is read (base + peft's delta, the sum
+    ``merge_and_unload`` makes), every other weight is the base tensor itself. A publish that
+    copies them one by one holds one layer's delta at a time. Adapters on parameters (MoE
+    experts) take the merged copy."""
+    if any(
+        isinstance(m, LoraLayer) and not isinstance(m, LoraLinear) for m in peft_model.modules()
+    ):
+        return {n: p.detach() for n, p in merged_model(peft_model).named_parameters()}
+    return _MergedWeights(peft_model.get_base_model())
+
+
+class _MergedWeights(Mapping[str, torch.Tensor]):
+    def __init__(self, model: torch.nn.Module):
+        self._weights: dict[str, tuple[torch.Tensor, LoraLinear | None]] = {}
+        layers = {path: m for path, m in model.named_modules() if isinstance(m, LoraLinear)}
+        adapted = {id(m.base_layer.weight) for m in layers.values() if _adapted(m)}
+        seen: set[int] = set()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if ".lora_" in name:
+                continue
+            path, _, leaf = name.rpartition(".")
+            layer = layers.get(path.removesuffix(".base_layer"))
+            clean = name.replace(".base_layer.", ".")
+            # a tied weight is one parameter, unless an adapter is on one of its layers: then
+            # merge unties it and each name has its own (see untie_for_merge)
+            if id(p) in seen and id(p) not in adapted:
+                continue
+            seen.add(id(p))
+            merges = layer is not None and leaf == "weight" and _adapted(layer)
+            self._weights[clean] = (p.detach(), layer if merges else None)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        weight, layer = self._weights[name]
+        if layer is None:
+            return weight
+        with torch.no_grad():
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    weight = weight + layer.get_delta_weight(adapter)
+        return weight
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
 
 
 def merge(model: PeftModel) -> torch.nn.Module:

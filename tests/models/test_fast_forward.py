@@ -127,3 +127,26 @@ def test_reads_weights_at_call_time() -> None:
         swapped, want = both()
         assert not torch.allclose(swapped, after)
         torch.testing.assert_close(swapped, want, atol=1e-5, rtol=0)
+
+
+def test_runs_a_lora_view_as_peft_does(tmp_path) -> None:
+    """A LoRA sampler's model (peft layers over the base's weights, adapter unmerged) runs
+    through FastForward with the peft forward's logits and cache; a LoRA with dropout, which
+    FastForward does not reproduce, is refused."""
+    from furlong.train import lora
+
+    base, _ = load_model("tiny-qwen3")
+    spec = lora.LoraSpec(rank=4)
+    peft = lora.add_adapter(None, base, "m_a", lora.peft_config(base, spec), seed=0)
+    with torch.no_grad():
+        for _, p in lora.adapter_params(peft, "m_a"):
+            p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(3))
+    lora.save_adapter(tmp_path, peft, "m_a")
+    view = lora.adapted_view(base, tmp_path)
+    assert FastForward.supports(view)
+    with torch.inference_mode():
+        _assert_same_as_hf(view)
+    dropout = lora.peft_config(base, spec)
+    dropout.lora_dropout = 0.1
+    other = lora.add_adapter(None, base, "m_b", dropout, seed=0).get_base_model()
+    assert not FastForward.supports(other)

@@ -223,7 +223,11 @@ def test_sampler_snapshot_is_independent_of_training(tmp_path: Path) -> None:
     assert tensors and all(".lora_" in n for n in tensors)  # small: the adapter only
 
     sampler, tokenizer = sampling_model(pool, tmp_path / "snap")
-    assert type(sampler.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # merged, plain
+    # the adapter applied on the base's own weights: no base weight is copied
+    base_ptrs = {p.data_ptr() for p in pool.base(BASE)[0].parameters()}
+    copied = [n for n, p in sampler.named_parameters() if p.data_ptr() not in base_ptrs]
+    assert copied and all(".lora_" in n for n in copied)
+    assert len(copied) == len(tensors)
     assert len(tokenizer) == len(pool.base(BASE)[1])
     torch.testing.assert_close(logits(sampler), expected, rtol=1e-5, atol=1e-5)
     snapshot = logits(sampler)

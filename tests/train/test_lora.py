@@ -1,7 +1,9 @@
-"""LoRA merges (``merged_model``, ``merged_copy``, a LoRA trainer's ``export_hf``) equal the
-adapter model, also on a base with tied input/output embeddings: an adapter on the LM head is
-merged into an untied copy of the head, so the input embedding keeps the base weight; without
-one the merged model stays tied. The live trainer's model is never moved by a merge."""
+"""LoRA merges (``merged_model``, ``merged_weights``, a LoRA trainer's ``export_hf``) and the
+unmerged ``adapted_view`` equal the adapter model, also on a base with tied input/output
+embeddings: an adapter on the LM head is merged into an untied copy of the head, so the input
+embedding keeps the base weight; without one the merged model stays tied. The live trainer's
+model is never moved by a merge, ``merged_weights`` copies no weight it does not change, and a
+view shares every base weight."""
 
 from __future__ import annotations
 
@@ -77,10 +79,7 @@ def test_tied_merges_equal_the_adapter_model(tokenizer, family: str, tmp_path: P
     base_before, peft_before = snapshot(base), snapshot(peft)
     x = ids(base.config.vocab_size)
     lora.save_adapter(tmp_path, peft, NAME)
-    merged = {
-        "merged_model": lora.merged_model(peft),
-        "merged_copy": lora.merged_copy(base, tmp_path),
-    }
+    merged = {"merged_model": lora.merged_model(peft)}
     assert max_diff(peft, base, x) > 0.5  # the adapter moves the logits
     # the bug: peft alone merges the head's delta into the shared weight, moving the embedding
     with torch.no_grad():
@@ -108,21 +107,22 @@ def test_a_head_only_merge_is_base_plus_scaled_product(tokenizer, tmp_path: Path
     a, b = head.lora_A[NAME].weight, head.lora_B[NAME].weight
     want = base.lm_head.weight + b @ a * (lora.ALPHA / HEAD_ONLY.rank)
     lora.save_adapter(tmp_path, peft, NAME)
-    for model in (lora.merged_model(peft), lora.merged_copy(base, tmp_path)):
-        torch.testing.assert_close(model.lm_head.weight, want, atol=1e-6, rtol=0)
-        assert torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)
-        assert max_diff(model, peft, ids(base.config.vocab_size)) <= 1e-5
+    model = lora.merged_model(peft)
+    torch.testing.assert_close(model.lm_head.weight, want, atol=1e-6, rtol=0)
+    assert torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)
+    assert max_diff(model, peft, ids(base.config.vocab_size)) <= 1e-5
+    torch.testing.assert_close(lora.merged_weights(peft)["lm_head.weight"], want, atol=1e-6, rtol=0)
 
 
 def test_an_adapter_off_the_head_keeps_the_embeddings_tied(tokenizer, tmp_path: Path) -> None:
     base = tiny(tokenizer)
     peft = adapted(base, NO_HEAD)
     lora.save_adapter(tmp_path, peft, NAME)
-    for model in (lora.merged_model(peft), lora.merged_copy(base, tmp_path)):
-        assert model.lm_head.weight is model.model.embed_tokens.weight  # no copy was made
-        assert model.config.tie_word_embeddings
-        assert torch.equal(model.lm_head.weight, base.lm_head.weight)
-        assert max_diff(model, peft, ids(base.config.vocab_size)) <= 1e-5
+    model = lora.merged_model(peft)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # no copy was made
+    assert model.config.tie_word_embeddings
+    assert torch.equal(model.lm_head.weight, base.lm_head.weight)
+    assert max_diff(model, peft, ids(base.config.vocab_size)) <= 1e-5
 
 
 def test_an_untied_model_merges_as_before(tokenizer, tmp_path: Path) -> None:
@@ -132,12 +132,60 @@ def test_an_untied_model_merges_as_before(tokenizer, tmp_path: Path) -> None:
     head = peft.get_base_model().lm_head
     want = base.lm_head.weight + head.lora_B[NAME].weight @ head.lora_A[NAME].weight * 8.0
     lora.save_adapter(tmp_path, peft, NAME)
-    for model in (lora.merged_model(peft), lora.merged_copy(base, tmp_path)):
-        assert max_diff(model, peft, ids(base.config.vocab_size)) <= 1e-5
-        torch.testing.assert_close(model.lm_head.weight, want, atol=1e-6, rtol=0)
-        assert torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)
-        assert not model.config.tie_word_embeddings
+    model = lora.merged_model(peft)
+    assert max_diff(model, peft, ids(base.config.vocab_size)) <= 1e-5
+    torch.testing.assert_close(model.lm_head.weight, want, atol=1e-6, rtol=0)
+    assert torch.equal(model.model.embed_tokens.weight, base.model.embed_tokens.weight)
+    assert not model.config.tie_word_embeddings
     assert_unchanged(base, before)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("spec", [EVERYTHING, HEAD_ONLY, NO_HEAD], ids=["all", "head", "nohead"])
+def test_merged_weights_equal_the_merged_copy_and_copy_no_base_weight(
+    tokenizer, tied: bool, spec: lora.LoraSpec
+) -> None:
+    """What a LoRA trainer publishes: the merged copy's parameters, bit for bit (the same sum
+    peft's merge makes), with every weight the adapter does not touch the base tensor itself."""
+    base = tiny(tokenizer, tied=tied)
+    peft = adapted(base, spec)
+    before = snapshot(peft)
+    want = dict(lora.merged_model(peft).named_parameters())
+    got = lora.merged_weights(peft)
+    assert list(got) == list(want)
+    base_ptrs = {p.data_ptr() for p in base.parameters()}
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name]), name
+        touched = not torch.equal(want[name], base.state_dict()[name])
+        assert (tensor.data_ptr() in base_ptrs) != touched, name
+    assert_unchanged(peft, before)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_adapted_view_is_the_adapter_model_on_the_base_weights(
+    tokenizer, tied: bool, tmp_path: Path
+) -> None:
+    """A LoRA sampler: the adapter from its saved files applied unmerged on the base's own
+    weights (its only new tensors are the adapter's, as many bytes as the file's header says),
+    with the adapter model's logits; training the base's PeftModel on afterwards leaves it."""
+    base = tiny(tokenizer, tied=tied)
+    peft = adapted(base, EVERYTHING)
+    lora.save_adapter(tmp_path, peft, NAME)
+    view = lora.adapted_view(base, tmp_path)
+    x = ids(base.config.vocab_size)
+    assert max_diff(view, peft, x) == 0.0  # the same ops as the trainer's peft forward
+    assert max_diff(view, base, x) > 0.5
+    base_ptrs = {p.data_ptr() for p in base.parameters()}
+    own = {n: p for n, p in view.named_parameters() if p.data_ptr() not in base_ptrs}
+    assert own and all(".lora_" in n for n in own)
+    assert sum(p.nbytes for p in own.values()) == lora.adapter_file_bytes(tmp_path)
+    assert not any(p.requires_grad for p in view.parameters())
+    with torch.no_grad():
+        want = view(x).logits
+        for _, p in lora.adapter_params(peft, NAME):
+            p.add_(0.1)
+        assert torch.equal(view(x).logits, want)
+    assert base.lm_head.weight is base.model.embed_tokens.weight or not tied
 
 
 def test_export_hf_of_a_tied_lora_trainer_reloads_to_its_logits(tokenizer, tmp_path: Path) -> None:

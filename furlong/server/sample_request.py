@@ -1,0 +1,166 @@
+"""Tinker's ``SampleRequest`` in furlong's terms: the request checked whole against the model
+and the server's caps (prompt + ``max_tokens`` within the context, ``num_samples``,
+``max_tokens`` and top-k caps, stop rules, seeds) into one :class:`SamplingParams` per sample,
+and the engine's results back into the SDK's ``SampleResponse``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tinker import types as tt
+
+from furlong.errors import InputError
+from furlong.rollout.base import GenerateResult
+from furlong.rollout.sampling import MAX_SEED, SamplingParams, fit_max_tokens
+from furlong.server import proto
+from furlong.server.futures import Failure
+
+
+@dataclass(frozen=True)
+class SampleCaps:
+    max_samples: int = 1024  # num_samples of one request
+    max_sample_tokens: int = 4096  # max_tokens of one request (also <= the context)
+    max_top_logprobs: int = 64  # topk_sample_logprobs / topk_prompt_logprobs
+
+
+class ModelShape(Protocol):
+    """What a request is checked against: the sampled model's vocabulary and context."""
+
+    vocab_size: int
+    context_length: int | None
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    prompt: list[int]
+    params: list[SamplingParams]  # one per sample
+    scored_from: int  # the first prompt position whose log-probs are returned
+
+
+def check_request(req: tt.SampleRequest, engine: ModelShape, caps: SampleCaps) -> CheckedRequest:
+    """The whole request checked (an ``InputError`` names the field) before anything is queued."""
+    for name in ("prompt_alt_tokens_k", "target_prompt_logprobs", "record_stability_info"):
+        if getattr(req, name, None):
+            raise InputError(f"{name}: not supported by furlong")
+    if not 1 <= req.num_samples <= caps.max_samples:
+        raise InputError(f"num_samples: must be in [1, {caps.max_samples}], got {req.num_samples}")
+    top = caps.max_top_logprobs
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+        k = getattr(req, name)
+        if not 0 <= k <= top:  # each is k entries per token of every sequence returned
+            raise InputError(f"{name}: must be in [0, {top}], got {k}")
+    if (top_k := req.sampling_params.top_k) < -1:
+        raise InputError(f"sampling_params.top_k: -1 or 0 (no limit) or >= 1, got {top_k}")
+    prompt = _tokens(req.prompt, "prompt")
+    scored_from = _prompt_scored_from(req, len(prompt))
+    params = sampling_params(req, len(prompt), engine, caps)
+    return CheckedRequest(prompt, params, scored_from)
+
+
+def sampling_params(
+    req: tt.SampleRequest, prompt_len: int, engine: ModelShape, caps: SampleCaps
+) -> list[SamplingParams]:
+    """One ``SamplingParams`` per sample (sample i draws with ``seed + i``; prompt log-probs
+    are computed once, for the first), every field checked against the engine and the caps."""
+    sp = req.sampling_params
+    max_tokens = fit_max_tokens(
+        sp.max_tokens,
+        prompt_len,
+        engine.context_length,
+        caps.max_sample_tokens,
+        "sampling_params.max_tokens",
+    )
+    if sp.seed is not None and not 0 <= sp.seed <= MAX_SEED - (req.num_samples - 1):
+        raise InputError(  # sample i draws with seed + i
+            f"sampling_params.seed: must be in [0, 2**64 - num_samples], got {sp.seed}"
+        )
+    stop_ids: tuple[int, ...] | None = None
+    stop_strings: tuple[str, ...] = ()
+    if sp.stop is not None:
+        stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
+        if all(isinstance(s, int) for s in stops):
+            stop_ids = tuple(stops)  # [] -> never stop, not even at EOS
+            for j, t in enumerate(stop_ids):  # an id outside could never end a sequence
+                if not 0 <= t < engine.vocab_size:
+                    raise InputError(
+                        f"sampling_params.stop[{j}]: token id {t} outside [0, {engine.vocab_size})"
+                    )
+        elif all(isinstance(s, str) for s in stops):
+            stop_strings = tuple(stops)
+        else:
+            raise InputError("sampling_params.stop: mixes strings and token ids")
+    base = dict(
+        max_tokens=max_tokens,
+        temperature=sp.temperature,
+        top_k=sp.top_k if sp.top_k > 0 else 0,
+        top_p=sp.top_p,
+        stop_token_ids=stop_ids,
+        stop=stop_strings,
+        top_logprobs=req.topk_sample_logprobs,
+    )
+    return [
+        SamplingParams(  # checks and names the remaining fields
+            **base,
+            seed=None if sp.seed is None else sp.seed + i,
+            prompt_logprobs=bool(req.prompt_logprobs) and i == 0,
+            prompt_top_logprobs=req.topk_prompt_logprobs if i == 0 else 0,
+        )
+        for i in range(req.num_samples)
+    ]
+
+
+def _tokens(model_input: tt.ModelInput, field_name: str) -> list[int]:
+    tokens: list[int] = []
+    for j, chunk in enumerate(model_input.chunks):
+        kind = getattr(chunk, "type", None)
+        if kind != "encoded_text":
+            raise InputError(
+                f"{field_name}.chunks[{j}]: only encoded_text chunks are supported, got {kind}"
+            )
+        tokens.extend(int(t) for t in chunk.tokens)
+    if not tokens:
+        raise InputError(f"{field_name}: empty")
+    return tokens
+
+
+def _prompt_scored_from(req: tt.SampleRequest, prompt_len: int) -> int:
+    """The first prompt position whose log-probs are returned (``prompt_logprobs_last_n``)."""
+    last_n = req.prompt_logprobs_last_n
+    if last_n is None:
+        return 1
+    if not req.prompt_logprobs:
+        raise InputError("prompt_logprobs_last_n: requires prompt_logprobs")
+    if not 1 <= last_n <= prompt_len - 1:
+        raise InputError(
+            f"prompt_logprobs_last_n: must be in [1, {prompt_len - 1}] for this prompt, "
+            f"got {last_n}"
+        )
+    return prompt_len - last_n
+
+
+def sample_result(futures: list, scored_from: int) -> Any:
+    """The SDK's ``SampleResponse`` (protobuf) of finished sequences, or why they failed."""
+    try:
+        results: list[GenerateResult] = [f.result() for f in futures]
+    except InputError as e:
+        return Failure(str(e), "user")
+    except Exception as e:  # noqa: BLE001 - reported to the client, not raised in a callback
+        return Failure(f"{type(e).__name__}: {e}", "server")
+    sequences = [
+        proto.SampledSeq(
+            tokens=r.output_ids,
+            logprobs=r.output_logprobs,
+            stop_reason="length" if r.finish_reason == "length" else "stop",
+            topk=r.top_logprobs,
+        )
+        for r in results
+    ]
+    first = results[0]
+    prompt_lp, prompt_top = first.prompt_logprobs, first.prompt_top_logprobs
+    if prompt_lp is not None:
+        prompt_lp = [None] * scored_from + prompt_lp[scored_from:]
+    if prompt_top is not None:
+        prompt_top = [None] * scored_from + prompt_top[scored_from:]
+    return proto.encode_sample_response(sequences, prompt_lp, prompt_top)
