@@ -140,8 +140,19 @@ def _serve(args: argparse.Namespace) -> int:
         trainer_ranks=args.trainer_ranks,
         optimizer_state_dir=args.optimizer_state_dir,
         jwt_auth=args.jwt_auth,
+        **{name: getattr(args, name) for name in BOUNDS if getattr(args, name) is not None},
     )
     return 0
+
+
+# what one key and its sessions may hold in memory (ServiceConfig's fields of the same names)
+BOUNDS = {
+    "max_models_per_key": (int, "training models one API key may hold loaded (0: no limit)"),
+    "session_timeout": (float, "seconds of silence (no heartbeat) that end a session (0: never)"),
+    "snapshot_engines": (int, "sampler snapshot engines kept loaded (least recently used go)"),
+    "sampler_memory_mb": (int, "MB of snapshot weights they may hold (a LoRA's: its adapter)"),
+    "sampler_idle_s": (float, "seconds unused after which a snapshot engine goes (0: never)"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -264,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="clients exchange their key for a short-lived JWT (auth/token), as the tinker SDK "
         "does when the server asks; RestClient.whoami() needs it",
     )
+    for name, (kind, text) in BOUNDS.items():  # unset: ServiceConfig's default
+        serve.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
     serve.set_defaults(func=_serve)
     return parser
 

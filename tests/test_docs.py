@@ -31,7 +31,10 @@ def test_docs_example_runs(name: str, block: str, tmp_path, monkeypatch) -> None
     monkeypatch.chdir(tmp_path)  # examples may write run directories
     if "tinker.ServiceClient" in block:
         # what the docs' bash block starts: furlong serve with a familiar name mapped
-        config = ServiceConfig({"Qwen/Qwen3-8B-Base": "tiny-qwen3"}, tmp_path / "state")
+        # (started with --jwt-auth for the whoami example, which needs it)
+        config = ServiceConfig(
+            {"Qwen/Qwen3-8B-Base": "tiny-qwen3"}, tmp_path / "state", jwt_auth="whoami" in block
+        )
         with background_server(create_app(Service(config))) as url:
             monkeypatch.setenv("TINKER_BASE_URL", url)
             monkeypatch.setenv("TINKER_API_KEY", "tml-local")

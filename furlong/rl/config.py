@@ -27,10 +27,16 @@ from furlong.errors import InputError
 from furlong.rl.rollout_choice import check_choice
 from furlong.rl.scale_out import ScaleOut
 from furlong.rl.tasks import check_task
+from furlong.train.objectives import OBJECTIVES
 from furlong.train.optim import OptimizerConfig
 
 if TYPE_CHECKING:
     from furlong.rl.handoff import HandoffConfig
+
+
+# the actor's objectives: the registry's that learn from advantages, and those that clip
+ACTOR_OBJECTIVES = tuple(n for n, o in OBJECTIVES.items() if "advantages" in o.inputs)
+CLIPPING = tuple(n for n in ACTOR_OBJECTIVES if "clip_low_threshold" in OBJECTIVES[n].defaults)
 
 
 @dataclass(frozen=True)
@@ -94,9 +100,9 @@ class AlgoConfig:
     """Advantages, the actor objective and its optimizer."""
 
     advantage: str = "grpo"  # grpo | gae (PPO with the critic) | reinforce_pp
-    objective: str = "importance_sampling"  # importance_sampling | ppo | cispo | dro
-    clip_low: float | None = None  # lower ratio bound for ppo / cispo (None: the objective default)
-    clip_high: float | None = None  # upper ratio bound for ppo / cispo
+    objective: str = "importance_sampling"  # importance_sampling | ppo | cispo | dro | gspo
+    clip_low: float | None = None  # lower ratio bound: ppo, cispo, gspo (None: the default)
+    clip_high: float | None = None  # upper ratio bound: ppo, cispo, gspo
     dro_beta: float | None = None  # dro's quadratic penalty (None: the objective default)
     normalize: str = "token"  # token: / response tokens in the batch; sequence: / (len * seqs)
     scale_by_std: bool = True  # GRPO: divide by the group's std
@@ -176,7 +182,7 @@ class RLConfig:
         """Reject incompatible settings with a message that says what to change."""
         a, r = self.algo, self.rollout
         _one_of("algo.advantage", a.advantage, ("grpo", "gae", "reinforce_pp"))
-        _one_of("algo.objective", a.objective, ("importance_sampling", "ppo", "cispo", "dro"))
+        _one_of("algo.objective", a.objective, ACTOR_OBJECTIVES)
         _one_of("algo.normalize", a.normalize, ("token", "sequence"))
         check_task(self.task.name, self.task.reward)  # imports "module:function" plug-ins
         _one_of("model.dtype", self.model.dtype, ("float32", "bfloat16"))
@@ -217,12 +223,9 @@ class RLConfig:
                 f"algo.minibatches: {a.minibatches} does not divide the batch of {batch} "
                 "samples (rollout.prompts_per_step * rollout.group_size)"
             )
-        if (a.clip_low is not None or a.clip_high is not None) and a.objective not in (
-            "ppo",
-            "cispo",
-        ):
+        if (a.clip_low is not None or a.clip_high is not None) and a.objective not in CLIPPING:
             raise InputError(
-                f"algo.clip_low/clip_high: only ppo and cispo clip; algo.objective is "
+                f"algo.clip_low/clip_high: only {', '.join(CLIPPING)} clip; algo.objective is "
                 f"{a.objective!r}"
             )
         if a.dro_beta is not None and a.objective != "dro":

@@ -18,6 +18,7 @@ import torch
 from furlong.rl.tasks import Problem, Task
 from furlong.rollout.base import GenerateResult, RolloutEngine
 from furlong.rollout.sampling import SamplingParams
+from furlong.train.objectives import OBJECTIVES
 from furlong.types import Datum
 
 if TYPE_CHECKING:
@@ -56,6 +57,14 @@ class Episode:
     def datum(self, inputs: dict[str, torch.Tensor]) -> Datum:
         """``inputs`` hold response-length tensors; prompt positions are zero-filled."""
         return Datum.next_token(self.prompt + self.response, **inputs)
+
+    def actor_datum(self, objective: str, advantages_T: torch.Tensor) -> Datum:
+        """What the actor's ``objective`` reads: the rollout's log-probs and ``advantages_T``
+        on the response, and for a sequence ratio (gspo) the response tokens as its mask."""
+        inputs = {"logprobs": self.logprobs_T, "advantages": advantages_T}
+        if "sequence_ratio_mask" in OBJECTIVES[objective].inputs:
+            inputs["sequence_ratio_mask"] = torch.ones_like(self.logprobs_T)
+        return self.datum(inputs)
 
 
 def generate_episodes(

@@ -343,7 +343,7 @@ def _train_actor(
             continue
         chosen = [episodes[i] for i in part]
         data = [
-            e.datum({"logprobs": e.logprobs_T, "advantages": advantages_T[i] * s})
+            e.actor_datum(algo.objective, advantages_T[i] * s)
             for i, e, s in zip(part, chosen, scale, strict=True)
         ]
         masks = [e.result.sampling_mask for e in chosen]

@@ -43,6 +43,9 @@ class GenerateResult:
     # MoE: int32 [len(prompt + output) - 1 - start, layers, top_k]; row i = position start + i
     routed_experts: torch.Tensor | None = None
     routed_experts_start: int = 0
+    # float32, the shape and layout of params.prompt_target_ids: the raw model log-prob of each
+    # named id (row i: prompt position i + 1); NaN where the id is -1 (nothing asked)
+    prompt_target_logprobs: torch.Tensor | None = None
 
 
 Weights = Mapping[str, torch.Tensor] | str | os.PathLike

@@ -39,7 +39,7 @@ _TENSOR_DTYPES = {
 _SCALARS = ("reward", "weight_version")
 FORMAT = "furlong-samples-v1"
 # what a GenerateResult carries beyond a sample; refused rather than dropped
-_RESULT_ONLY = ("prompt_logprobs", "prompt_top_logprobs", "top_logprobs")
+_RESULT_ONLY = ("prompt_logprobs", "prompt_top_logprobs", "prompt_target_logprobs", "top_logprobs")
 T = TypeVar("T")
 
 

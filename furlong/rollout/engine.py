@@ -45,7 +45,13 @@ from furlong.rollout.base import (
     expand_params,
 )
 from furlong.rollout.routing import RoutingRecorder
-from furlong.rollout.sampling import Draw, SamplingParams, draw_batch, request_generator
+from furlong.rollout.sampling import (
+    Draw,
+    SamplingParams,
+    csr_tensor,
+    draw_batch,
+    request_generator,
+)
 from furlong.rollout.sampling_mask import SamplingMask
 
 
@@ -63,6 +69,7 @@ class _Request:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
     prompt_top: list[list[tuple[int, float]] | None] | None = None
+    prompt_target: torch.Tensor | None = None  # log-probs of params.prompt_target_ids
     routing: list[torch.Tensor] = field(default_factory=list)  # [positions, layers, top_k] parts
 
 
@@ -228,6 +235,19 @@ class EmbeddedEngine:
         bad = [t for t in prompt if not 0 <= int(t) < self.vocab_size]
         if bad:
             raise InputError(f"prompts[{index}]: token id {bad[0]} outside [0, {self.vocab_size})")
+        targets = params.prompt_target_ids
+        if targets is not None:
+            if targets.shape[0] != len(prompt) - 1:
+                raise InputError(
+                    f"params[{index}].prompt_target_ids: {targets.shape[0]} rows for a prompt of "
+                    f"{len(prompt)} tokens; expected len(prompt) - 1 = {len(prompt) - 1}"
+                )
+            values = targets.values() if targets.layout == torch.sparse_csr else targets
+            if values.numel() and int(values.max()) >= self.vocab_size:
+                raise InputError(
+                    f"params[{index}].prompt_target_ids: token id {int(values.max())} outside "
+                    f"[0, {self.vocab_size})"
+                )
         if params.return_routed_experts and not self.router.is_moe:
             raise InputError(f"params[{index}].return_routed_experts: the model has no MoE routers")
         context = self.context_length
@@ -537,6 +557,8 @@ class EmbeddedEngine:
                         for i, v in zip(ids.tolist(), values.tolist(), strict=True)
                     ]
                     request.prompt_top = [None, *rows]
+                if (targets := request.params.prompt_target_ids) is not None:
+                    request.prompt_target = _target_logprobs(logp, targets)
         return cache, mask, logits[:, -1].float()
 
     def _prefill_once(
@@ -619,6 +641,7 @@ class EmbeddedEngine:
             top_logprobs=list(request.top) if params.top_logprobs else None,
             routed_experts=routed,
             routed_experts_start=params.routed_experts_start,
+            prompt_target_logprobs=request.prompt_target,
         )
 
     def _no_rows(self) -> torch.Tensor:
@@ -627,7 +650,28 @@ class EmbeddedEngine:
 
 
 def _wants_prompt(params: SamplingParams) -> bool:
-    return params.prompt_logprobs or params.prompt_top_logprobs > 0
+    return (
+        params.prompt_logprobs
+        or params.prompt_top_logprobs > 0
+        or params.prompt_target_ids is not None
+    )
+
+
+def _target_logprobs(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``logp`` ``[n - 1, V]`` (the prompt rows' full-vocabulary log-softmax, row i predicting
+    position i + 1) at the ids of ``ids``, in ``ids``' shape and layout (dense or sparse CSR,
+    on the CPU); NaN where an id is -1, which asks for nothing."""
+    if ids.layout == torch.sparse_csr:
+        crow, col, values = ids.crow_indices(), ids.col_indices(), ids.values()
+        rows = torch.repeat_interleave(torch.arange(ids.shape[0], device=crow.device), crow.diff())
+        cols = values.to(logp.device)
+        picked = logp[rows.to(logp.device), cols.clamp(min=0)]
+        picked = picked.masked_fill(cols < 0, float("nan")).cpu()
+        crow, col = crow.to("cpu", copy=True), col.to("cpu", copy=True)
+        return csr_tensor(crow, col, picked, (ids.shape[0], ids.shape[1]))
+    cols = ids.to(logp.device)
+    picked = logp.gather(-1, cols.clamp(min=0))
+    return picked.masked_fill(cols < 0, float("nan")).cpu()
 
 
 def _wants_routing(requests: list[_Request]) -> bool:

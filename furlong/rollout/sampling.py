@@ -9,9 +9,11 @@ tokens do not depend on which other requests share its batch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import operator
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -80,6 +82,37 @@ def _token_ids(ids: object) -> tuple[int, ...]:
     return tuple(out)
 
 
+def csr_tensor(
+    crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, shape: tuple[int, int]
+) -> torch.Tensor:
+    """A sparse CSR tensor from indices already checked (``prompt_target_ids`` and its result
+    keep a request's layout), without torch's "beta state" notice, as the tinker SDK does."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"Sparse CSR tensor support is in beta state", category=UserWarning
+        )
+        return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=False)
+
+
+def _check_target_ids(ids: object) -> None:
+    """What ``prompt_target_ids`` can be checked for without the prompt and the model (the
+    engine checks its rows against the prompt and its ids against the vocabulary)."""
+    where = "sampling_params.prompt_target_ids"
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64:
+        got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise InputError(f"{where}: expected an int64 tensor of token ids, got {got}")
+    if ids.layout not in (torch.strided, torch.sparse_csr) or ids.dim() != 2:
+        raise InputError(
+            f"{where}: expected a 2-D dense or sparse CSR tensor [len(prompt) - 1, K], "
+            f"got {ids.dim()}-D {ids.layout}"
+        )
+    if ids.shape[1] < 1:
+        raise InputError(f"{where}: K (ids per position) must be >= 1, got shape {list(ids.shape)}")
+    values = ids.values() if ids.layout == torch.sparse_csr else ids
+    if values.numel() and int(values.min()) < -1:
+        raise InputError(f"{where}: ids must be >= 0, or -1 for none; got {int(values.min())}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
@@ -97,6 +130,10 @@ class SamplingParams:
     top_logprobs: int = 0  # per generated token, the N most likely ids of the kept distribution
     return_routed_experts: bool = False  # MoE: experts per position and layer (int32 rows)
     routed_experts_start: int = 0  # only rows from this position on (incremental R3)
+    # int64 [len(prompt) - 1, K], dense or sparse CSR: row i names ids whose raw model log-probs
+    # at prompt position i + 1 are returned (-1: none). Left out of ==, as a tensor has no
+    # single truth value; not copied, so do not change it after handing it over.
+    prompt_target_ids: torch.Tensor | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         def fail(field: str, why: str) -> None:
@@ -130,6 +167,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "stop strings must be non-empty strings")
+        if self.prompt_target_ids is not None:
+            _check_target_ids(self.prompt_target_ids)
 
     @property
     def truncates(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from furlong.errors import InputError
 from furlong.models.loading import resolve
@@ -50,7 +51,9 @@ def serve(
     trainer_ranks: int = 1,
     optimizer_state_dir: str | None = None,
     jwt_auth: bool = False,
+    **bounds: Any,
 ) -> None:
+    """``bounds``: ServiceConfig's memory bounds by name (cli.BOUNDS)."""
     import uvicorn
 
     keys = read_api_keys(api_keys_file)
@@ -67,6 +70,7 @@ def serve(
         trainer_ranks=trainer_ranks,
         optimizer_state_dir=optimizer_state_dir,
         jwt_auth=jwt_auth,
+        **bounds,
     )
     for source in config.base_models.values():
         resolve(source)  # a pretrained model is built (once) before the port opens, not mid-request

@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from furlong.errors import InputError
+from furlong.train.validation import check_request
 from furlong.types import Datum, ForwardResult
 
 PROTOBUF = "application/x-protobuf"
@@ -82,8 +83,9 @@ class SampledSeq:
 def parse_forward_backward(
     body: bytes, content_encoding: str | None, limits: Limits | None = None
 ) -> FwdBwdRequest:
-    """Decode a (possibly zstd-compressed) ``ForwardBackwardRequest`` body."""
-    return convert_forward_backward(decode_forward_backward(body, content_encoding, limits), limits)
+    """Decode a (possibly zstd-compressed) ``ForwardBackwardRequest`` body: the wire format
+    only (the service's :func:`convert_forward_backward` also checks it against its loss)."""
+    return _request(decode_forward_backward(body, content_encoding, limits), limits)
 
 
 def decode_forward_backward(
@@ -113,7 +115,15 @@ def decode_forward_backward(
 def convert_forward_backward(
     msg: pb.ForwardBackwardRequest, limits: Limits | None = None
 ) -> FwdBwdRequest:
-    """Every datum as furlong types, after checking what densifying them would allocate."""
+    """Every datum as furlong types, after checking what densifying them would allocate, then
+    the request against its loss (``loss_fn``, ``loss_fn_config``, every input's shape and
+    range: ``check_request``), so what the loss would refuse is refused at submission."""
+    request = _request(msg, limits)
+    check_request(request.data, request.loss_fn, request.loss_fn_config)
+    return request
+
+
+def _request(msg: pb.ForwardBackwardRequest, limits: Limits | None) -> FwdBwdRequest:
     limits = limits or Limits()
     if not msg.data:
         raise InputError("data: at least one datum is required")
@@ -361,9 +371,12 @@ def encode_sample_response(
     sequences: Sequence[SampledSeq],
     prompt_logprobs: Sequence[float | None] | None = None,
     topk_prompt: Sequence[Sequence[tuple[int, float]] | None] | None = None,
+    target_prompt: torch.Tensor | None = None,
 ) -> bytes:
-    """Sampled sequences (+ optional prompt log-probs, ``None``/NaN where undefined, and
-    per-position top-k prompt alternatives, ``None``/empty where undefined) → bytes."""
+    """Sampled sequences (+ optional prompt log-probs, ``None``/NaN where undefined,
+    per-position top-k prompt alternatives, ``None``/empty where undefined, and the log-probs
+    of ``target_prompt_logprobs``' ids: a 2-D float tensor, dense or sparse CSR, NaN where the
+    request's id was -1) → bytes."""
     msg = pb.SampleResponse()
     for i, seq in enumerate(sequences):
         if len(seq.logprobs) != len(seq.tokens):
@@ -382,7 +395,35 @@ def encode_sample_response(
         msg.prompt_logprobs = np.asarray(values, dtype=_F32).tobytes()
     if topk_prompt is not None and (topk := _topk(topk_prompt)) is not None:
         msg.topk_prompt_logprobs.CopyFrom(topk)
+    if target_prompt is not None:
+        msg.target_prompt_logprobs.CopyFrom(_target_tensor(target_prompt))
     return msg.SerializeToString()
+
+
+def _target_tensor(values: torch.Tensor) -> pb.Tensor:
+    """The response's ``target_prompt_logprobs``: float32 in the request's shape and layout
+    (the SDK decodes a sparse one with ``to_torch()``, unlisted cells 0), and 0.0 where the
+    request had -1, the SDK's documented value for a cell that asked nothing."""
+    shape = list(values.shape)
+    if values.layout == torch.sparse_csr:
+        listed = _nan_as_zero(values.values())
+        return pb.Tensor(
+            sparse_csr=pb.SparseCsr(
+                values=listed.astype(_F32).tobytes(),
+                crow_indices=values.crow_indices().cpu().numpy().astype(_I64).tobytes(),
+                col_indices=values.col_indices().cpu().numpy().astype(_I64).tobytes(),
+            ),
+            dtype=pb.DTYPE_FLOAT32,
+            shape=shape,
+        )
+    dense = _nan_as_zero(values)
+    return pb.Tensor(dense=dense.astype(_F32).tobytes(), dtype=pb.DTYPE_FLOAT32, shape=shape)
+
+
+def _nan_as_zero(values: torch.Tensor) -> np.ndarray:
+    """NaN (nothing asked) → 0.0; a -inf log-prob stays -inf (``nan_to_num`` would clip it)."""
+    values = values.detach().float().cpu()
+    return torch.where(torch.isnan(values), 0.0, values).numpy()
 
 
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}

@@ -28,7 +28,7 @@ from furlong.server.external_weights import DownloadSigner
 from furlong.server.models import LoraSpec, ModelPool, TrainingModel
 from furlong.server.sampling import Sampling
 from furlong.server.sessions import NotFound, Sessions
-from furlong.server.state import CheckpointRef, StateDir, check_name, iso_time
+from furlong.server.state import SEGMENTS, CheckpointRef, StateDir, check_name, iso_time
 from furlong.server.training import TrainingRuns, optimizer_kind
 from furlong.train.dist_checkpoint import saved_optimizer_kind
 
@@ -309,6 +309,8 @@ class Runs:
 
 def _ref(run_id: str, segment: str, name: str) -> CheckpointRef:
     """The checkpoint of a REST path ``training_runs/{run_id}/checkpoints/{segment}/{name}``."""
+    if segment not in SEGMENTS:
+        raise InputError(f"segment: {segment!r} is not one of {sorted(SEGMENTS)}")
     return CheckpointRef.parse(f"tinker://{run_id}/{segment}/{name}", "checkpoint_id")
 
 

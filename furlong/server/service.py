@@ -66,6 +66,17 @@ class ServiceConfig:
     ttl_sweep_interval: float = 60.0  # seconds between sweeps deleting expired checkpoints
     clock: Callable[[], float] = time.time  # wall time for checkpoint TTLs, URLs and JWTs
 
+    def __post_init__(self) -> None:
+        for name, least in (
+            ("max_models_per_key", 0),
+            ("session_timeout", 0),
+            ("snapshot_engines", 1),
+            ("sampler_memory_mb", 1),
+            ("sampler_idle_s", 0),
+        ):
+            if not getattr(self, name) >= least:
+                raise InputError(f"{name}: must be >= {least}, got {getattr(self, name)!r}")
+
 
 class Service:
     def __init__(self, config: ServiceConfig):

@@ -1,4 +1,4 @@
-"""The five Tinker objectives as per-token losses, summed raw per datum.
+"""The six Tinker objectives as per-token losses, summed raw per datum.
 
 With ``lp`` the trainer's target log-probs, ``s`` the sampler's log-probs, ``r = exp(lp - s)``,
 ``A`` the advantages, ``w`` the weights and ``m`` the datum mask (1 real, 0 padding):
@@ -10,8 +10,20 @@ With ``lp`` the trainer's target log-probs, ``s`` the sampler's log-probs, ``r =
 | ppo                   | -sum m * min(r A, clip(r, lo, hi) A) | clip_low/high_threshold 0.8/1.2|
 | cispo                 | -sum m * sg(clip(r, lo, hi)) * lp * A| clip_low/high_threshold 0/4    |
 | dro                   | -sum m * (lp A - beta/2 (lp - s)^2)  | beta 0.05                      |
+| gspo                  | -sum m * min(q A, clip(q, lo, hi) A) | clip_low/high_threshold        |
+|                       |                                      | 0.9997/1.0004                  |
+
+GSPO-token (Zheng et al. 2025, "Group Sequence Policy Optimization", sec. 4.3, as Tinker's
+docs define ``gspo``): the datum's sequence ratio is the geometric mean of its token ratios over
+the tokens ``M`` that ``sequence_ratio_mask`` marks (nonzero), ``q_d = exp(mean_{t in M}
+(lp_t - s_t))``, and every token carries its value with the gradient of its own log-prob:
+``q_t = sg(q_d) * exp(lp_t - sg(lp_t))``, so ``dL/dlp_t = -q_d A_t`` where the unclipped term
+is the min, else 0. The sum runs over every token (unmarked ones too, with their own ``A_t``);
+the only division is the mean inside ``q_d``. The default thresholds are the paper's clipping
+ranges 3e-4 / 4e-4 (Tinker's own defaults are unverified).
 
 Thresholds are absolute ratio bounds, not epsilons. Nothing here normalizes: the caller owns it.
+``loss_fn_config`` keys an objective does not take are refused, never ignored.
 
 A critic (a model with a value head, ``furlong.models.critic.ValueModel``) trains through the
 same engine with the ``value`` objective, the only one a critic has (``VALUE_OBJECTIVES``).
@@ -30,34 +42,51 @@ import torch
 
 from furlong.errors import InputError
 
-TokenLoss = Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], torch.Tensor]
+Inputs = Mapping[str, torch.Tensor]
+Config = Mapping[str, float]
+# (lp [R] or [R, K], inputs by name, config, segment [R]: each row's datum slot) -> per-row loss
+TokenLoss = Callable[[torch.Tensor, Inputs, Config, torch.Tensor], torch.Tensor]
 
 
-def _ratio(lp: torch.Tensor, x: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _ratio(lp: torch.Tensor, x: Inputs) -> torch.Tensor:
     return torch.exp(lp - x["logprobs"])
 
 
-def cross_entropy(lp: torch.Tensor, x: Mapping[str, torch.Tensor], cfg: Mapping[str, float]):
-    return -x["weights"] * lp
-
-
-def importance_sampling(lp: torch.Tensor, x: Mapping[str, torch.Tensor], cfg: Mapping[str, float]):
-    return -_ratio(lp, x) * x["advantages"]
-
-
-def ppo(lp: torch.Tensor, x: Mapping[str, torch.Tensor], cfg: Mapping[str, float]):
-    ratio, adv = _ratio(lp, x), x["advantages"]
+def _clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """``-min(ratio A, clip(ratio, lo, hi) A)``: PPO's token loss, and GSPO's on its ratio."""
     clipped = ratio.clamp(cfg["clip_low_threshold"], cfg["clip_high_threshold"])
     return -torch.minimum(ratio * adv, clipped * adv)
 
 
-def cispo(lp: torch.Tensor, x: Mapping[str, torch.Tensor], cfg: Mapping[str, float]):
+def cross_entropy(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor):
+    return -x["weights"] * lp
+
+
+def importance_sampling(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor):
+    return -_ratio(lp, x) * x["advantages"]
+
+
+def ppo(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor):
+    return _clipped_objective(_ratio(lp, x), x["advantages"], cfg)
+
+
+def cispo(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor):
     clipped = _ratio(lp, x).clamp(cfg["clip_low_threshold"], cfg["clip_high_threshold"])
     return -clipped.detach() * lp * x["advantages"]
 
 
-def dro(lp: torch.Tensor, x: Mapping[str, torch.Tensor], cfg: Mapping[str, float]):
+def dro(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor):
     return -(lp * x["advantages"] - 0.5 * cfg["beta"] * (lp - x["logprobs"]) ** 2)
+
+
+def gspo(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor):
+    """GSPO-token: each row's ratio has its datum's sequence-ratio value and its own gradient."""
+    marked = (x["sequence_ratio_mask"] != 0).to(lp.dtype)  # [R] 1 where the token is in M
+    per_datum = torch.zeros_like(lp)  # [R] >= the datum slots, no sync
+    log_ratio = per_datum.index_add(0, segment, (lp.detach() - x["logprobs"]) * marked)
+    count = per_datum.index_add(0, segment, marked).clamp(min=1)  # 0 marked (padding): q = 1
+    seq_log_ratio = (log_ratio / count)[segment]  # [R] sg(log q_d) on each of the datum's rows
+    return _clipped_objective(torch.exp(seq_log_ratio + lp - lp.detach()), x["advantages"], cfg)
 
 
 def value_loss(
@@ -76,7 +105,7 @@ def value_loss(
     return 0.5 * weights * torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def value(v: torch.Tensor, x: Mapping[str, torch.Tensor], cfg: Mapping[str, float]):
+def value(v: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor):
     clip = cfg["value_clip"] or None  # 0: off
     return value_loss(v, x["returns"], x["old_values"], x["weights"], clip)[0]
 
@@ -96,11 +125,17 @@ class Objective:
         return "values" if self.head == "value" else "logprobs"
 
     def resolve_config(self, config: Mapping[str, object] | None) -> dict[str, float]:
-        """Defaults overlaid with the request's values; unknown keys are ignored (upstream)."""
+        """Defaults overlaid with the request's values; a key the objective does not take is
+        refused (a typo such as ``clip_lo`` must not train with the defaults)."""
         resolved = dict(self.defaults)
         for key, value in (config or {}).items():
             if key not in self.defaults:
-                continue
+                takes = (
+                    f"expected a subset of {sorted(self.defaults)}"
+                    if self.defaults
+                    else "it takes no loss_fn_config"
+                )
+                raise InputError(f"loss_fn_config: unknown key {key!r} for {self.name!r}; {takes}")
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise InputError(f"loss_fn_config[{key!r}]: expected a number, got {value!r}")
             if not math.isfinite(value):
@@ -118,24 +153,23 @@ class Objective:
         return resolved
 
 
+RL_INPUTS = ("logprobs", "advantages")
 OBJECTIVES: dict[str, Objective] = {
     o.name: o
     for o in (
         Objective("cross_entropy", cross_entropy, ("weights",), top_k_targets=True),
-        Objective("importance_sampling", importance_sampling, ("logprobs", "advantages")),
+        Objective("importance_sampling", importance_sampling, RL_INPUTS),
+        Objective("ppo", ppo, RL_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
         Objective(
-            "ppo",
-            ppo,
-            ("logprobs", "advantages"),
-            {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+            "cispo", cispo, RL_INPUTS, {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
         ),
+        Objective("dro", dro, RL_INPUTS, {"beta": 0.05}),
         Objective(
-            "cispo",
-            cispo,
-            ("logprobs", "advantages"),
-            {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+            "gspo",
+            gspo,
+            (*RL_INPUTS, "sequence_ratio_mask"),
+            {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
         ),
-        Objective("dro", dro, ("logprobs", "advantages"), {"beta": 0.05}),
     )
 }
 # what a critic (a value head instead of the LM head) trains with
@@ -144,13 +178,23 @@ VALUE_OBJECTIVES: dict[str, Objective] = {
         "value", value, ("returns", "old_values", "weights"), {"value_clip": 0.2}, head="value"
     )
 }
+# Tinker's LossFnType names furlong does not implement: refused by name, with what to use
+UNSUPPORTED: dict[str, str] = {
+    "stable_reinforce": "use importance_sampling, ppo, cispo, dro or gspo",
+    "custom": "a custom loss runs client-side: forward_backward_custom sends cross_entropy",
+}
 
 
 def get_objective(name: object, registry: Mapping[str, Objective] = OBJECTIVES) -> Objective:
     """``registry``: the objectives the model's head has (a critic's: ``VALUE_OBJECTIVES``)."""
-    if not isinstance(name, str) or name not in registry:
-        raise InputError(f"loss_fn: unknown objective {name!r}; expected one of {sorted(registry)}")
-    return registry[name]
+    if isinstance(name, str) and name in registry:
+        return registry[name]
+    if isinstance(name, str) and name in UNSUPPORTED:
+        raise InputError(
+            f"loss_fn: {name!r} is not supported by furlong ({UNSUPPORTED[name]}); "
+            f"expected one of {sorted(registry)}"
+        )
+    raise InputError(f"loss_fn: unknown objective {name!r}; expected one of {sorted(registry)}")
 
 
 def datum_losses(
@@ -168,7 +212,7 @@ def datum_losses(
     shapes; ``mask`` ``[R]`` is the datum mask ``m``; ``segment`` ``[R]`` maps each row to its
     datum.
     """
-    tokens = objective.token_loss(lp, inputs, config)
+    tokens = objective.token_loss(lp, inputs, config, segment)
     if tokens.dim() == 2:
         tokens = tokens.sum(-1)
     tokens = tokens * mask

@@ -41,7 +41,7 @@ def test_toml_then_overrides(tmp_path) -> None:
     [
         (["rollout.group_size=1"], "GRPO compares samples of one prompt"),
         (["algo.minibatches=3"], "does not divide the batch of 128"),
-        (["algo.clip_low=0.5"], "only ppo and cispo clip"),
+        (["algo.clip_low=0.5"], "only ppo, cispo, gspo clip"),
         (["algo.dro_beta=0.1"], "only for algo.objective = 'dro'"),
         (
             ["algo.advantage=gae", "colocate.enabled=true", "colocate.memory_peak_device=gpu"],

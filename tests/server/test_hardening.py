@@ -255,17 +255,20 @@ def test_a_vetoed_step_answers_finite_json_the_sdk_accepts(hardened) -> None:
     training = sdk(url).create_lora_training_client(BASE, rank=4).result()
     batch = data(5, n=2)
     before = training.forward(batch, "cross_entropy").result().metrics["loss:sum"]
-    huge = [
+    # in-range inputs whose ratio exp(lp + 700) overflows: the clipped ppo loss stays finite
+    # (-1.2 a token), the gradient of the unclipped branch it takes is not
+    overflowing = [
         tt.Datum(
             model_input=d.model_input,
             loss_fn_inputs={
                 "target_tokens": d.loss_fn_inputs["target_tokens"],
-                "weights": [3e38] * len(d.loss_fn_inputs["target_tokens"].data),
+                "logprobs": [-700.0] * len(d.loss_fn_inputs["target_tokens"].data),
+                "advantages": [1.0] * len(d.loss_fn_inputs["target_tokens"].data),
             },
         )
         for d in batch
     ]
-    training.forward_backward(huge, "cross_entropy").result()  # gradients overflow to inf
+    training.forward_backward(overflowing, "ppo").result()  # gradients are NaN
     metrics = training.optim_step(tt.AdamParams(learning_rate=1e-2)).result().metrics
     assert metrics["skipped_nonfinite:sum"] == 1.0 and "grad_norm:mean" not in metrics
     after = training.forward(batch, "cross_entropy").result().metrics["loss:sum"]

@@ -303,6 +303,7 @@ def env(tmp_path_factory, one_thread):
         gap_timeout=GAP_TIMEOUT,
         poll_timeout=POLL_TIMEOUT,
         compress_fwdbwd=True,  # zstd bodies accepted (and bombs possible)
+        max_models_per_key=0,  # the corpus makes a model per case on one key
     )
     service = Service(config)
     with background_server(create_app(service, max_body_bytes=BODY_LIMIT)) as url:

@@ -1,4 +1,5 @@
-"""The five Tinker objectives (contract (a)): per-token losses, gradients, masks, configs.
+"""The Tinker objectives (contract (a)): per-token losses, gradients, masks, configs (gspo's
+sequence ratio by hand in test_objectives_gspo.py).
 
 Every expected value is derived by hand in the comments; gradients are taken w.r.t. the
 trainer log-probs ``lp`` and compared against hand-derived or independently computed values.
@@ -18,7 +19,7 @@ from furlong.train.objectives import OBJECTIVES, datum_losses, get_objective
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-NAMES = ["cispo", "cross_entropy", "dro", "importance_sampling", "ppo"]
+NAMES = ["cispo", "cross_entropy", "dro", "gspo", "importance_sampling", "ppo"]
 
 # ---------------------------------------------------------------------------------------------
 # The matrix (miles' tests): 8 tokens, lp = -1 everywhere, s = -1 - ln r so exp(lp - s) = r.
@@ -141,6 +142,7 @@ def test_zero_mask_gives_zero_loss_and_gradient(name):
         "logprobs": s,
         "advantages": torch.tensor([1.5, -2.0, 0.7, 3.0]),
         "weights": torch.tensor([1.0, 2.0, -0.5, 4.0]),
+        "sequence_ratio_mask": torch.tensor([1.0, 0.0, 1.0, 1.0]),
     }
     # Sanity: with the mask on, the loss and gradient are not zero.
     on = datum_losses(objective, cfg, lp, inputs, torch.ones(4), torch.tensor([0, 0, 1, 1]), 2)
@@ -239,14 +241,18 @@ def test_config_defaults_and_none():
         "clip_high_threshold": 4.0,
     }
     assert get_objective("dro").resolve_config(None) == {"beta": 0.05}
+    assert get_objective("gspo").resolve_config(None) == {  # the paper's ranges 3e-4 / 4e-4
+        "clip_low_threshold": 1 - 3e-4,
+        "clip_high_threshold": 1 + 4e-4,
+    }
     assert get_objective("cross_entropy").resolve_config(None) == {}
     assert get_objective("importance_sampling").resolve_config(None) == {}
     assert get_objective("ppo").resolve_config({}) == get_objective("ppo").resolve_config(None)
 
 
-def test_config_unknown_keys_ignored_and_overrides_applied():
+def test_config_overrides_applied():
     ppo = get_objective("ppo")
-    assert ppo.resolve_config({"clip_high_threshold": 2, "foo": "bar", "beta": "x"}) == {
+    assert ppo.resolve_config({"clip_high_threshold": 2}) == {
         "clip_low_threshold": 0.8,
         "clip_high_threshold": 2.0,
     }
@@ -254,10 +260,50 @@ def test_config_unknown_keys_ignored_and_overrides_applied():
     assert cfg == {"clip_low_threshold": 0.5, "clip_high_threshold": 1.2}
     assert isinstance(get_objective("dro").resolve_config({"beta": 1})["beta"], float)
     assert get_objective("dro").resolve_config({"beta": 0}) == {"beta": 0.0}
-    # Objectives without a config ignore everything.
-    assert get_objective("cross_entropy").resolve_config({"beta": float("nan"), "x": 1}) == {}
     # The defaults are not mutated by an override.
     assert ppo.resolve_config(None)["clip_low_threshold"] == 0.8
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "message"),
+    [
+        (
+            "ppo",
+            {"clip_lo": 0.5},  # a typo must not train with the defaults
+            "loss_fn_config: unknown key 'clip_lo' for 'ppo'; expected a subset of "
+            "['clip_high_threshold', 'clip_low_threshold']",
+        ),
+        (
+            "ppo",
+            {"clip_high_threshold": 2, "beta": 0.1},  # another objective's key
+            "loss_fn_config: unknown key 'beta' for 'ppo'",
+        ),
+        ("dro", {"beta": 0.1, "mode": "x"}, "loss_fn_config: unknown key 'mode' for 'dro'"),
+        (
+            "cross_entropy",
+            {"x": 1},
+            "loss_fn_config: unknown key 'x' for 'cross_entropy'; it takes no loss_fn_config",
+        ),
+        (
+            "importance_sampling",
+            {"clip_low_threshold": 0.8},
+            "loss_fn_config: unknown key 'clip_low_threshold' for 'importance_sampling'",
+        ),
+    ],
+)
+def test_config_unknown_keys_are_refused_naming_the_key(name, config, message):
+    with pytest.raises(InputError) as info:
+        get_objective(name).resolve_config(config)
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize("name", ["stable_reinforce", "custom"])
+def test_tinker_losses_furlong_lacks_are_refused_by_name(name):
+    with pytest.raises(InputError) as info:
+        get_objective(name)
+    message = str(info.value)
+    assert message.startswith(f"loss_fn: {name!r} is not supported by furlong")
+    assert all(known in message for known in NAMES)
 
 
 @pytest.mark.parametrize(

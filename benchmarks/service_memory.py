@@ -1,0 +1,150 @@
+"""Service memory over a long RL run: a LoRA RL loop through the official `tinker` SDK against
+`furlong serve` (a real subprocess on 127.0.0.1), the way tinker-cookbook's RL recipes drive it:
+every step saves a sampler (``save_weights_and_get_sampling_client``), samples a group, trains
+on it with ``importance_sampling`` and steps the optimizer. The server's RSS is read from
+/proc after every step; the claim is that it stays flat: the end of the run within 10% of its
+value at step 20 (the baseline, measured in the same run).
+
+Writes ``--out``/metrics.jsonl (one line a step) and ``--out``/rss.png.
+
+Run: ``.venv/bin/python benchmarks/service_memory.py [--steps 300 --model tiny-qwen3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, state_dir: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "furlong", "serve", "--port", str(port)]
+    cmd += ["--base-model", model, "--state-dir", state_dir]
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/api/v1/healthz").status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("furlong serve did not start")
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def rl_datum(prompt: list[int], seq: types.SampledSequence, advantage: float) -> types.Datum:
+    tokens = prompt + list(seq.tokens)
+    pad = len(prompt) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprobs": [0.0] * pad + list(seq.logprobs),
+            "advantages": [0.0] * pad + [advantage] * len(seq.tokens),
+        },
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny-qwen3")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--group", type=int, default=8, help="samples per step")
+    parser.add_argument("--tokens", type=int, default=16, help="max tokens per sample")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--baseline-step", type=int, default=20)
+    parser.add_argument("--out", default="runs/service_memory")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    with tempfile.TemporaryDirectory() as state:
+        proc, url = start_server(args.model, state)
+        try:
+            sdk = tinker.ServiceClient(base_url=url, api_key="tml-bench")
+            training = sdk.create_lora_training_client(args.model, rank=args.rank).result()
+            tokenizer = training.get_tokenizer()
+            prompt = tokenizer("Reverse the digits of 4821:")["input_ids"]
+            params = types.SamplingParams(max_tokens=args.tokens, temperature=1.0)
+            rows = []
+            start = time.perf_counter()
+            with open(out / "metrics.jsonl", "w") as log:
+                for step in tqdm(range(1, args.steps + 1), desc="RL steps", unit="step"):
+                    sampler = training.save_weights_and_get_sampling_client().result()
+                    prompt_in = types.ModelInput.from_ints(prompt)
+                    result = sampler.sample(prompt_in, args.group, params).result()
+                    lengths = [len(s.tokens) for s in result.sequences]
+                    mean = sum(lengths) / len(lengths)
+                    data = [rl_datum(prompt, s, len(s.tokens) - mean) for s in result.sequences]
+                    training.forward_backward(data, "importance_sampling").result()
+                    training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+                    row = {
+                        "step": step,
+                        "rss_mb": rss_mb(proc.pid),
+                        "elapsed_s": time.perf_counter() - start,
+                    }
+                    rows.append(row)
+                    log.write(json.dumps(row) + "\n")
+            sdk.close("success").result()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+    base = rows[args.baseline_step - 1]["rss_mb"]
+    end = rows[-1]["rss_mb"]
+    peak = max(r["rss_mb"] for r in rows[args.baseline_step - 1 :])
+    per_step = (rows[-1]["elapsed_s"] - rows[args.baseline_step - 1]["elapsed_s"]) / (
+        args.steps - args.baseline_step
+    )
+    print(f"\n{args.model}, LoRA rank {args.rank}, {args.steps} steps of {args.group} samples")
+    print("| RSS at step 20 MB | RSS at the end MB | end / step 20 | peak / step 20 | s/step |")
+    print("|---:|---:|---:|---:|---:|")
+    print(f"| {base:.1f} | {end:.1f} | {end / base:.3f} | {peak / base:.3f} | {per_step:.3f} |")
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([r["step"] for r in rows], [r["rss_mb"] for r in rows])
+    ax.axhline(base * 1.1, color="grey", linestyle="--", label="step 20 + 10%")
+    ax.set_xlabel("RL step (save sampler, sample, train)")
+    ax.set_ylabel("server RSS (MB)")
+    ax.set_title(f"furlong serve memory, {args.model} LoRA RL through the tinker SDK")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "rss.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
