@@ -11,6 +11,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,server,ray]'
+# tinker-cookbook: tests and docs run its weights.download against furlong serve. 0.5.8 caps
+# transformers<=5.5.4 (furlong needs >=5.20), so it cannot be a dependency and goes in without
+# its own: the module they use needs only tinker and pyrage, which the server extra brings.
+	$(PY) -m pip install -q -c constraints.txt --no-deps tinker-cookbook==0.5.8
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -5,7 +5,10 @@ on it with ``importance_sampling`` and steps the optimizer. The server's RSS is 
 /proc after every step; the claim is that it stays flat: the end of the run within 10% of its
 value at step 20 (the baseline, measured in the same run).
 
-Writes ``--out``/metrics.jsonl (one line a step) and ``--out``/rss.png.
+With ``--baseline-checkout DIR`` (e.g. a ``git worktree`` of an older commit) the same loop
+first runs against a server started from that checkout, so both curves come from one run.
+
+Writes ``--out``/metrics.jsonl (one line a step and server) and ``--out``/rss.png.
 
 Run: ``.venv/bin/python benchmarks/service_memory.py [--steps 300 --model tiny-qwen3]``
 """
@@ -40,9 +43,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, state_dir: str) -> tuple[subprocess.Popen, str]:
+def server_command(checkout: str | None) -> list[str]:
+    """``furlong`` from this environment, or from another checkout (its package shadows the
+    editable install's, whose import hook is taken out)."""
+    if checkout is None:
+        return [sys.executable, "-m", "furlong"]
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(checkout).resolve())!r}); "
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
+        "from furlong.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    return [sys.executable, "-c", code]
+
+
+def start_server(model: str, state_dir: str, checkout: str | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "furlong", "serve", "--port", str(port)]
+    cmd = [*server_command(checkout), "serve", "--port", str(port)]
     cmd += ["--base-model", model, "--state-dir", state_dir]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -79,21 +95,10 @@ def rl_datum(prompt: list[int], seq: types.SampledSequence, advantage: float) ->
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny-qwen3")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--group", type=int, default=8, help="samples per step")
-    parser.add_argument("--tokens", type=int, default=16, help="max tokens per sample")
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--baseline-step", type=int, default=20)
-    parser.add_argument("--out", default="runs/service_memory")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
+def run_loop(args: argparse.Namespace, checkout: str | None, label: str) -> list[dict]:
+    """The RL loop against a fresh server; one row a step (its RSS and elapsed time)."""
     with tempfile.TemporaryDirectory() as state:
-        proc, url = start_server(args.model, state)
+        proc, url = start_server(args.model, state, checkout)
         try:
             sdk = tinker.ServiceClient(base_url=url, api_key="tml-bench")
             training = sdk.create_lora_training_client(args.model, rank=args.rank).result()
@@ -102,42 +107,84 @@ def main() -> None:
             params = types.SamplingParams(max_tokens=args.tokens, temperature=1.0)
             rows = []
             start = time.perf_counter()
-            with open(out / "metrics.jsonl", "w") as log:
-                for step in tqdm(range(1, args.steps + 1), desc="RL steps", unit="step"):
-                    sampler = training.save_weights_and_get_sampling_client().result()
-                    prompt_in = types.ModelInput.from_ints(prompt)
-                    result = sampler.sample(prompt_in, args.group, params).result()
-                    lengths = [len(s.tokens) for s in result.sequences]
-                    mean = sum(lengths) / len(lengths)
-                    data = [rl_datum(prompt, s, len(s.tokens) - mean) for s in result.sequences]
-                    training.forward_backward(data, "importance_sampling").result()
-                    training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
-                    row = {
+            for step in tqdm(range(1, args.steps + 1), desc=f"RL steps ({label})", unit="step"):
+                sampler = training.save_weights_and_get_sampling_client().result()
+                result = sampler.sample(
+                    types.ModelInput.from_ints(prompt), args.group, params
+                ).result()
+                lengths = [len(s.tokens) for s in result.sequences]
+                mean = sum(lengths) / len(lengths)
+                data = [rl_datum(prompt, s, len(s.tokens) - mean) for s in result.sequences]
+                training.forward_backward(data, "importance_sampling").result()
+                training.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+                rows.append(
+                    {
+                        "server": label,
                         "step": step,
                         "rss_mb": rss_mb(proc.pid),
                         "elapsed_s": time.perf_counter() - start,
                     }
-                    rows.append(row)
-                    log.write(json.dumps(row) + "\n")
+                )
             sdk.close("success").result()
         finally:
             proc.terminate()
             proc.wait(timeout=60)
+    return rows
 
-    base = rows[args.baseline_step - 1]["rss_mb"]
-    end = rows[-1]["rss_mb"]
+
+def summary(rows: list[dict], args: argparse.Namespace) -> str:
+    base = rows[args.baseline_step - 1]
+    end = rows[-1]
     peak = max(r["rss_mb"] for r in rows[args.baseline_step - 1 :])
-    per_step = (rows[-1]["elapsed_s"] - rows[args.baseline_step - 1]["elapsed_s"]) / (
-        args.steps - args.baseline_step
-    )
+    per_step = (end["elapsed_s"] - base["elapsed_s"]) / (args.steps - args.baseline_step)
+    cells = [
+        rows[0]["server"],
+        f"{base['rss_mb']:.1f}",
+        f"{end['rss_mb']:.1f}",
+        f"{end['rss_mb'] / base['rss_mb']:.3f}",
+        f"{peak / base['rss_mb']:.3f}",
+        f"{(end['rss_mb'] - base['rss_mb']) * 1024 / (args.steps - args.baseline_step):.0f}",
+        f"{per_step:.3f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny-qwen3")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--group", type=int, default=8, help="samples per step")
+    parser.add_argument("--tokens", type=int, default=16, help="max tokens per sample")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--baseline-step", type=int, default=20)
+    parser.add_argument("--baseline-checkout", help="also run a server from this checkout first")
+    parser.add_argument("--out", default="runs/service_memory")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    runs = []
+    if args.baseline_checkout:
+        runs.append(run_loop(args, args.baseline_checkout, "baseline"))
+    runs.append(run_loop(args, None, "this checkout"))
+    with open(out / "metrics.jsonl", "w") as log:
+        for row in (r for rows in runs for r in rows):
+            log.write(json.dumps(row) + "\n")
+
     print(f"\n{args.model}, LoRA rank {args.rank}, {args.steps} steps of {args.group} samples")
-    print("| RSS at step 20 MB | RSS at the end MB | end / step 20 | peak / step 20 | s/step |")
-    print("|---:|---:|---:|---:|---:|")
-    print(f"| {base:.1f} | {end:.1f} | {end / base:.3f} | {peak / base:.3f} | {per_step:.3f} |")
+    print(
+        f"| server | RSS at step {args.baseline_step} MB | RSS at the end MB | end / step "
+        f"{args.baseline_step} | peak / step {args.baseline_step} | KB per step | s/step |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for rows in runs:
+        print(summary(rows, args))
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot([r["step"] for r in rows], [r["rss_mb"] for r in rows])
-    ax.axhline(base * 1.1, color="grey", linestyle="--", label="step 20 + 10%")
+    for rows in runs:
+        ax.plot([r["step"] for r in rows], [r["rss_mb"] for r in rows], label=rows[0]["server"])
+    base = runs[-1][args.baseline_step - 1]["rss_mb"]
+    ax.axhline(base * 1.1, color="grey", linestyle="--", label=f"step {args.baseline_step} + 10%")
     ax.set_xlabel("RL step (save sampler, sample, train)")
     ax.set_ylabel("server RSS (MB)")
     ax.set_title(f"furlong serve memory, {args.model} LoRA RL through the tinker SDK")

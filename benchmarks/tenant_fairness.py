@@ -13,6 +13,10 @@ requests, and the compute lane's turns passed to another tenant.
 2. forward: A runs forward (1 datum x 16 tokens, cross_entropy) on its own LoRA model;
    B runs forward_backward (``--datums`` x ``--length`` tokens) on its own LoRA model.
 3. sample vs train: A's 4-token sample while B's forward_backward runs.
+4. forward vs RL steps: A's forward while B runs cookbook RL steps: save a sampler
+   (``save_weights_and_get_sampling_client``) and sample ``--rl-samples`` x 16 tokens from it,
+   which builds a snapshot engine every step.
+5. sample vs RL steps: A's 4-token sample from the base while B runs those RL steps.
 
 Run: ``.venv/bin/python benchmarks/tenant_fairness.py [--model tiny-qwen3 --repeats 16]``
 """
@@ -27,6 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,6 +210,17 @@ def scenarios(url: str, args: argparse.Namespace) -> list[Scenario]:
     def train_heavy() -> Any:
         return b_train.forward_backward(heavy_batch, "cross_entropy")
 
+    rl_params = types.SamplingParams(max_tokens=16, seed=0, stop=[])
+
+    def rl_step() -> Any:
+        sampler = b_train.save_weights_and_get_sampling_client().result()
+        return sampler.sample(PROMPT, args.rl_samples, rl_params).result()
+
+    steps = ThreadPoolExecutor(1, thread_name_prefix="tenant-b-rl")
+
+    def rl_heavy() -> Any:
+        return steps.submit(rl_step)
+
     for fn in (sample_light, forward_light):  # warm-up: tokenizer, sampler, adapters
         fn()
     b_train.forward_backward(heavy_batch[:1], "cross_entropy").result()
@@ -212,6 +228,8 @@ def scenarios(url: str, args: argparse.Namespace) -> list[Scenario]:
         Scenario("1 sample / sample", sample_light, sample_heavy),
         Scenario("2 forward / fwd_bwd", forward_light, train_heavy),
         Scenario("3 sample / fwd_bwd", sample_light, train_heavy),
+        Scenario("4 forward / RL steps", forward_light, rl_heavy),
+        Scenario("5 sample / RL steps", sample_light, rl_heavy),
     ]
 
 
@@ -269,6 +287,7 @@ def main() -> None:
     parser.add_argument("--sample-tokens", type=int, default=64, help="B's max_tokens")
     parser.add_argument("--datums", type=int, default=64, help="B's forward_backward datums")
     parser.add_argument("--length", type=int, default=1024, help="tokens per B datum")
+    parser.add_argument("--rl-samples", type=int, default=8, help="B's samples per RL step")
     parser.add_argument("--depth", type=int, default=2, help="B's jobs kept in flight")
     parser.add_argument("--settle", type=float, default=0.5, help="s before A starts")
     parser.add_argument("--gap", type=float, default=1.0, help="max random pause before A's")

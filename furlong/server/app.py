@@ -16,17 +16,19 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from email.utils import formatdate
 from typing import Any, TypeVar
 from urllib.parse import quote
 
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from tinker import types as tt
 
 from furlong.errors import InputError
 from furlong.server import proto
+from furlong.server.checkpoint_archive import ARCHIVE_FILE
 from furlong.server.external_weights import InvalidDownloadToken
 from furlong.server.futures import Failure
 from furlong.server.jwt_auth import InvalidToken, looks_like_jwt
@@ -368,15 +370,52 @@ def create_app(
     ) -> FileResponse:
         """A file of an external-weights export: for the URL's token (plain downloaders send
         no headers) or, without one, for the request's key."""
-        if token:
-            try:
-                who = service.runs.download_owner(token, run_id, segment, name, file)
-            except InvalidDownloadToken as exc:
-                raise Unauthorized(str(exc)) from None
-        else:
-            who = owner(request)
+        who = download_owner(request, token, run_id, segment, name, file)
         path = service.runs.external_file(who, run_id, segment, name, file)
         return FileResponse(path, media_type="application/octet-stream")
+
+    @route("GET", checkpoint + "/archive")
+    async def checkpoint_archive_url(
+        run_id: str, segment: str, name: str, request: Request
+    ) -> JSONResponse:
+        """A sampler snapshot's archive (``get_checkpoint_archive_url`` of SDKs up to 0.37):
+        a 302 to a signed URL on this server that answers the tar, with ``Expires``, the
+        contract every such SDK reads; the body repeats both as ``{url, expires}``."""
+        who = owner(request)
+        token, expires = await run_in_threadpool(
+            service.runs.archive_url, who, run_id, segment, name
+        )
+        url = f"{str(request.base_url).rstrip('/')}{PREFIX}/training_runs/{quote(run_id)}"
+        url += f"/checkpoints/{segment}/{quote(name)}/{ARCHIVE_FILE}?token={quote(token)}"
+        headers = {"Location": url, "Expires": formatdate(expires, usegmt=True)}
+        body = {"url": url, "expires": iso_time(expires)}
+        return JSONResponse(body, status_code=302, headers=headers)
+
+    @route("GET", checkpoint + "/" + ARCHIVE_FILE)
+    async def checkpoint_archive(
+        run_id: str, segment: str, name: str, request: Request, token: str = ""
+    ) -> StreamingResponse:
+        """The tar of a sampler snapshot, streamed: for the URL's token or the owner's key."""
+        who = download_owner(request, token, run_id, segment, name, ARCHIVE_FILE)
+        archive = await run_in_threadpool(service.runs.archive, who, run_id, segment, name)
+        headers = {
+            "Content-Length": str(archive.length),
+            "Content-Disposition": f'attachment; filename="{name}.tar"',
+        }
+        # a sync iterator: Starlette reads the files in its thread pool, off the event loop
+        return StreamingResponse(archive.chunks(), media_type="application/x-tar", headers=headers)
+
+    def download_owner(
+        request: Request, token: str, run_id: str, segment: str, name: str, file: str
+    ) -> str:
+        """Whom a download is for: the URL's token (plain downloaders send no headers) or,
+        without one, the request's key."""
+        if not token:
+            return owner(request)
+        try:
+            return service.runs.download_owner(token, run_id, segment, name, file)
+        except InvalidDownloadToken as exc:
+            raise Unauthorized(str(exc)) from None
 
     @route("PUT", checkpoint + "/ttl")
     async def set_checkpoint_ttl(run_id: str, segment: str, name: str, request: Request) -> dict:

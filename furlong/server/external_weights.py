@@ -7,6 +7,10 @@ A LoRA model exports a standard peft adapter (``adapter_config.json`` naming the
 tokenizer). Files are fetched with plain GETs that carry no header (tinker-cookbook's
 ``weights.download`` uses ``urllib.request.urlretrieve``), so each URL carries a token: an
 HMAC, under a secret of this server process, of the owner, the file and an expiry time.
+
+With ``age_encryption_recipients`` every file is stored encrypted as ``<file>.age``
+(age_encryption.py); the same signed URLs serve the sampler-snapshot archives of
+checkpoint_archive.py.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ import hmac
 import json
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from furlong.models.loading import atomic_dir, publish_dir
+from furlong.server import age_encryption
+from furlong.server.age_encryption import Recipient
 from furlong.server.models import SNAPSHOT_META, TrainingModel
 from furlong.server.state import CheckpointRef, dir_size
 
@@ -27,30 +33,35 @@ URL_LIFETIME = 3600  # seconds a download URL stays valid (the cookbook re-signs
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def export(model: TrainingModel, path: Path) -> int:
+def export(model: TrainingModel, path: Path, recipients: Sequence[Recipient] = ()) -> int:
     """Write ``model``'s weights at ``path`` as an HF directory, atomically; returns its size.
+    With ``recipients`` every file is encrypted to them and named ``<file>.age``.
 
     The sampler-snapshot writer already produces exactly these files: it writes into the temp
-    directory, its own metadata file is dropped, and the result is published whole."""
+    directory, its own metadata file is dropped, the files are encrypted there (the plain
+    copies never reach the published directory), and the result is published whole."""
     tmp, final = atomic_dir(path)
     staged = tmp / "export"
     try:
         model.save_sampler_weights(staged)
         (staged / SNAPSHOT_META).unlink(missing_ok=True)
         if model.is_lora:
-            _name_base_model(staged / ADAPTER_CONFIG, model.base_model)
+            config = staged / ADAPTER_CONFIG
+            config.write_bytes(name_base_model(config.read_bytes(), model.base_model))
+        if recipients:
+            age_encryption.encrypt_files(staged, files(staged), recipients)
         publish_dir(staged, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dir_size(final)
 
 
-def _name_base_model(config_file: Path, base_model: str) -> None:
+def name_base_model(adapter_config: bytes, base_model: str) -> bytes:
     """peft records where the base came from (a local preset here); name the served model, so
     ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(name), dir)`` reads right."""
-    config = json.loads(config_file.read_text())
+    config = json.loads(adapter_config)
     config["base_model_name_or_path"] = base_model
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
+    return json.dumps(config, indent=2, sort_keys=True).encode()
 
 
 def files(path: Path) -> list[str]:

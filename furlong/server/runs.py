@@ -22,7 +22,7 @@ from tinker import types as tt
 
 from furlong.errors import InputError
 from furlong.models.loading import atomic_dir, publish_dir
-from furlong.server import external_weights
+from furlong.server import age_encryption, checkpoint_archive, external_weights
 from furlong.server.checkpoint_ttl import CheckpointTtl, check_ttl
 from furlong.server.external_weights import DownloadSigner
 from furlong.server.models import LoraSpec, ModelPool, TrainingModel
@@ -112,21 +112,19 @@ class Runs:
     def save_weights_external(
         self, owner: str, req: tt.SaveWeightsExternalRequest, fingerprint: bytes = b""
     ) -> str:
-        """An HF export of the model's weights, in seq order like every save."""
+        """An HF export of the model's weights, in seq order like every save; with
+        ``age_encryption_recipients`` each file is stored encrypted as ``<file>.age``."""
 
         def prepare() -> Callable[[TrainingModel], dict]:
-            if req.age_encryption_recipients:
-                raise InputError(
-                    "age_encryption_recipients: encrypted exports are not supported by furlong; "
-                    "omit it (files are served only to this key, over this server's URLs)"
-                )
             name = check_name(req.path, "path")
             ttl = check_ttl(req.ttl_seconds)
+            recipients = age_encryption.parse_recipients(req.age_encryption_recipients)
             ref = CheckpointRef(req.model_id, "external_weights", name)
 
             def run(model: TrainingModel) -> dict:
+                path = self.state.checkpoint_dir(ref)
                 with self.ttl.saving(ref, ttl):
-                    size = external_weights.export(model, self.state.checkpoint_dir(ref))
+                    size = external_weights.export(model, path, recipients)
                 return {"path": ref.uri, "size_bytes": size, "type": "save_weights_external"}
 
             return run
@@ -202,6 +200,37 @@ class Runs:
         if ref.segment != "external_weights" or file not in external_weights.files(path):
             raise NotFound(f"file {file!r} of {ref.uri!r}")
         return path / file
+
+    def archive_url(self, owner: str, run_id: str, segment: str, name: str) -> tuple[str, int]:
+        """A download token for the tar of ``owner``'s sampler snapshot, and when it expires
+        (Unix seconds): the archive route of SDKs up to 0.37."""
+        ref = _ref(run_id, segment, name)
+        if ref.segment == "weights":
+            raise InputError(
+                f"checkpoint_id: {segment}/{name} is a training checkpoint, which has no archive; "
+                "export it with save_weights_external (tinker_cookbook.weights.download does)"
+            )
+        if ref.segment != "sampler_weights":
+            raise InputError(
+                f"checkpoint_id: {segment}/{name} is an HF export; download its files from "
+                "external_weights_urls"
+            )
+        self.state.owned_checkpoint(owner, ref)
+        expires = self.signer.expiry()
+        return self.signer.token(owner, ref, checkpoint_archive.ARCHIVE_FILE, expires), expires
+
+    def archive(
+        self, owner: str, run_id: str, segment: str, name: str
+    ) -> checkpoint_archive.Archive:
+        """The tar of ``owner``'s sampler snapshot, its files open (404 for anything else)."""
+        ref = _ref(run_id, segment, name)
+        path = self.state.owned_checkpoint(owner, ref)
+        if ref.segment != "sampler_weights":
+            raise NotFound(f"archive of {ref.uri!r}")
+        try:
+            return checkpoint_archive.open_archive(path)
+        except FileNotFoundError:  # deleted or expired while its files were opened
+            raise NotFound(f"checkpoint {ref.uri!r}") from None
 
     def set_ttl(self, owner: str, run_id: str, segment: str, name: str, ttl: Any) -> None:
         ref = _ref(run_id, segment, name)
