@@ -101,6 +101,11 @@ class CommandLog:
         failure = Failure(str(error.args[0]) if error.args else str(error), "user")
         self._add(seq_id, lambda: failure, _Slot(self.store.create(self.owner), fingerprint, error))
 
+    @property
+    def busy(self) -> bool:
+        """An operation is running or waiting for its turn."""
+        return self._running or bool(self._pending)
+
     def close(self, op: Callable[[], Any], reason: str) -> str:
         """End the log: the queued operations fail with ``reason``, later ones are refused, and
         ``op`` (the model's release) runs once the running operation is done. Its request id."""

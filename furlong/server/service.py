@@ -117,7 +117,13 @@ class Service:
     def reap(self) -> int:
         """End the sessions silent past ``session_timeout`` and release snapshot engines idle
         past ``sampler_idle_s`` (on the event loop, every ``reap_interval`` s). Sessions ended."""
-        ended = sum(self.end_session(sid) for sid in self.sessions.silent())
+        silent = self.sessions.silent()
+        # a client polling a long operation may send nothing else: its session lives on
+        ended = sum(
+            self.end_session(sid)
+            for sid in silent
+            if not self.training.busy(self.sessions.models(sid))
+        )
         self.sampling.snapshots.release_idle()
         return ended
 

@@ -92,6 +92,11 @@ class Sessions:
         with self._lock:
             return [sid for sid, s in self._live.items() if s.last_seen < cutoff]
 
+    def models(self, session_id: str) -> list[str]:
+        with self._lock:
+            session = self._live.get(session_id)
+            return [] if session is None else list(session.model_ids)
+
     def owned(self, owner: str) -> list[str]:
         with self._lock:
             return [sid for sid, s in self._live.items() if s.owner == owner]

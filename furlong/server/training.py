@@ -191,6 +191,10 @@ class TrainingRuns:
         (call on the event loop, like every command-log operation)."""
         return self._close(model_id, self._run(owner, model_id))
 
+    def busy(self, model_ids: list[str]) -> bool:
+        """Any of these models has an operation running or queued (its client is waiting)."""
+        return any((run := self._runs.get(m)) is not None and run.log.busy for m in model_ids)
+
     def end_session(self, model_ids: list[str]) -> None:
         """The models of an ended session are unloaded (on the event loop)."""
         for model_id in model_ids:

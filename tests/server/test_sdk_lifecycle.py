@@ -272,3 +272,29 @@ def test_snapshot_engines_are_built_on_the_compute_lane_never_on_the_event_loop(
         assert answer.status_code == 200 and answer.json()["request_id"]
         wait_until(lambda: len(built_on) == 2, "the legacy request's build")
         assert all(name.startswith("furlong-train") for name in built_on), built_on
+
+
+def test_a_session_whose_model_has_work_in_flight_is_not_silent(tmp_path) -> None:
+    """A client waiting on a long operation may send nothing but polls: its session lives."""
+    service = service_for(tmp_path, session_timeout=60)
+    clock = Clock()
+    service.sessions.clock = clock
+    with background_server(create_app(service)) as url:
+        training = client(url).create_lora_training_client(BASE, rank=2).result()
+        # an operation queued behind a seq_id that has not arrived: the model is busy
+        request = types.OptimStepRequest(
+            model_id=training.model_id, seq_id=50, adam_params=types.AdamParams(learning_rate=1e-3)
+        )
+        sent = httpx.post(
+            f"{url}/api/v1/optim_step",
+            json=model_dump(request, exclude_none=True, mode="json"),
+            headers={"X-API-Key": "tml-test"},
+        )
+        assert sent.status_code == 200
+
+        def silence() -> int:
+            clock.now += 61
+            return service.reap()
+
+        assert on_loop(service, silence) == 0
+        assert training.model_id in service.pool._models
