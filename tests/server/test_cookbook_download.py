@@ -28,18 +28,15 @@ from types import SimpleNamespace
 from urllib.parse import quote
 
 import httpx
-import numpy as np
 import pyrage
 import pytest
 import tinker
-import torch
-from peft import PeftModel
 from tinker import types
 
-from furlong.models import load_model
 from furlong.server import checkpoint_archive
 from furlong.server.models import SNAPSHOT_META
 from tests.server.test_sdk import BASE, client, rl_data, serve
+from tests.server.test_sdk_checkpoints import assert_serves_like
 
 weights = pytest.importorskip("tinker_cookbook.weights")
 from tinker_cookbook.exceptions import WeightsDownloadError  # noqa: E402
@@ -83,22 +80,6 @@ def training(server) -> tinker.TrainingClient:
     model.forward_backward(rl_data(2)[0], "cross_entropy").result()
     model.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     return model
-
-
-def assert_serves_like(training: tinker.TrainingClient, adapter_dir: Path) -> None:
-    """The adapter at `adapter_dir`, with peft on the served base, computes the server's
-    log-probs for the trained model."""
-    sdk_data, data = rl_data(3, seed=1)
-    served = training.forward(sdk_data, "cross_entropy").result().loss_fn_outputs
-    base, _ = load_model("tiny-qwen3")
-    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
-    for got, datum in zip(served, data, strict=True):
-        with torch.no_grad():
-            logits = model(datum.model_input[None]).logits[0]
-        targets = datum.loss_fn_inputs["target_tokens"]
-        want = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None])[:, 0]
-        lp = torch.from_numpy(np.asarray(got["logprobs"].to_numpy()))
-        torch.testing.assert_close(lp, want, atol=1e-5, rtol=0)
 
 
 def listing(out: Path) -> list[str]:

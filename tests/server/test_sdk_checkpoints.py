@@ -51,6 +51,22 @@ class Clock:
         return self.now
 
 
+def assert_serves_like(training: tinker.TrainingClient, adapter_dir: Path) -> None:
+    """The adapter at `adapter_dir`, with peft on the served base, computes the server's
+    log-probs for the trained model."""
+    sdk_data, data = rl_data(3)
+    served = training.forward(sdk_data, "cross_entropy").result().loss_fn_outputs
+    base, _ = build_preset("tiny-qwen3", seed=0)
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    for got, datum in zip(served, data, strict=True):
+        with torch.no_grad():
+            logits = model(datum.model_input[None]).logits[0]
+        targets = datum.loss_fn_inputs["target_tokens"]
+        want = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None])[:, 0]
+        lp = torch.from_numpy(np.asarray(got["logprobs"].to_numpy()))
+        torch.testing.assert_close(lp, want, atol=1e-5, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def clock() -> Clock:
     return Clock()
@@ -116,18 +132,7 @@ def test_external_weights_download_as_a_peft_adapter(server, tmp_path) -> None:
         (out / name).write_bytes(fetch(url))  # no headers, like the cookbook's urlretrieve
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == BASE
 
-    # the downloaded adapter on the base computes what the server computes
-    sdk_data, data = rl_data(3)
-    served = training.forward(sdk_data, "cross_entropy").result().loss_fn_outputs
-    base, _ = build_preset("tiny-qwen3", seed=0)
-    model = PeftModel.from_pretrained(base, str(out)).eval()
-    for got, datum in zip(served, data, strict=True):
-        with torch.no_grad():
-            logits = model(datum.model_input[None]).logits[0]
-        targets = datum.loss_fn_inputs["target_tokens"]
-        want = torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None])[:, 0]
-        lp = torch.from_numpy(np.asarray(got["logprobs"].to_numpy()))
-        torch.testing.assert_close(lp, want, atol=1e-5, rtol=0)
+    assert_serves_like(training, out)  # the downloaded adapter computes what the server does
 
     checkpoint = listed(server, training.model_id)["external_weights/final"]
     assert checkpoint.checkpoint_type == "external" and checkpoint.expires_at is None
