@@ -1,5 +1,6 @@
 """GRPO with the trainer on N ranks (torchrun, FSDP2) and rollouts on an SGLang server.
 
+    export FURLONG_ADMIN_TOKEN=$(python -c "import secrets; print(secrets.token_urlsafe(32))")
     furlong rollout-server --model tiny-qwen3 --port 30000 &   # a CPU stand-in for SGLang
     torchrun --standalone --nproc-per-node 2 examples/torchrun_sglang_grpo.py \
         --model tiny-qwen3 --engine http://127.0.0.1:30000 --steps 3
@@ -8,11 +9,13 @@ Every rank runs this script. Rank 0 talks to the engine: it samples, scores and 
 advantages, and after each step publishes the weights the ranks gathered for it. The datums go
 to every rank (a broadcast); each rank trains on its share of them. On GPUs the engine is a
 real SGLang server and ``--staging-dir`` a filesystem both sides see (docs/scaling.md).
+Weights are published with ``$FURLONG_ADMIN_TOKEN``, the rollout server's admin token.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 
 import torch
@@ -49,7 +52,12 @@ def main() -> None:
     # a dense reward a random tiny model can learn (shorter is better); exact_number for real
     tasks.REWARDS.setdefault("short", lambda response, problem: -len(response) / 10)
     task = tasks.build_task("addition", args.reward)
-    engine = SGLangClient(args.engine, staging_dir=args.staging_dir) if rank == 0 else None
+    token = os.environ.get("FURLONG_ADMIN_TOKEN")  # the rollout server's control routes
+    engine = (
+        SGLangClient(args.engine, staging_dir=args.staging_dir, admin_token=token)
+        if rank == 0
+        else None
+    )
     rng = random.Random(0)
     for step in range(1, args.steps + 1):
         data = None

@@ -98,20 +98,28 @@ def _copy_pretrained(name: str, out: str) -> int:
 
 
 def _rollout_server(args: argparse.Namespace) -> int:
-    from furlong.rollout.server import serve
+    from furlong.rollout.control import cli_policy
+    from furlong.rollout.server import MAX_BUCKET_BYTES, serve
 
-    serve(args.model, args.host, args.port, args.max_running, args.seed)
+    bucket = MAX_BUCKET_BYTES if args.max_bucket_bytes is None else args.max_bucket_bytes
+    if bucket <= 0:
+        raise InputError(f"--max-bucket-bytes: expected a positive number of bytes, got {bucket}")
+    policy = cli_policy("rollout-server", args.admin_token_file, args.weights_dir)
+    serve(args.model, args.host, args.port, args.max_running, args.seed, policy, bucket)
     return 0
 
 
 def _session_server(args: argparse.Namespace) -> int:
+    from furlong.rollout.control import cli_policy
     from furlong.rollout.sessions.serve import serve
 
+    policy = cli_policy("session-server", args.admin_token_file, args.weights_dir)
     serve(
         args.model,
         args.host,
         args.port,
         args.pause_mode,
+        policy,
         max_running=args.max_running,
         seed=args.seed,
         routing_replay=not args.no_routing_replay,
@@ -153,6 +161,21 @@ BOUNDS = {
     "sampler_memory_mb": (int, "MB of snapshot weights they may hold (a LoRA's: its adapter)"),
     "sampler_idle_s": (float, "seconds unused after which a snapshot engine goes (0: never)"),
 }
+
+
+def _control_flags(parser: argparse.ArgumentParser, routes: str, loader: str) -> None:
+    """The rollout and session servers' control-plane flags (furlong.rollout.control)."""
+    parser.add_argument(
+        "--admin-token-file",
+        metavar="PATH",
+        help=f"the token the control routes ({routes}) ask for, as Authorization: Bearer "
+        "<token>; default: $FURLONG_ADMIN_TOKEN, else a new token printed once to stderr",
+    )
+    parser.add_argument(
+        "--weights-dir",
+        metavar="DIR",
+        help=f"{loader} loads only from inside DIR; default: any path the server can read",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,6 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--port", type=int, default=30000)
     rollout.add_argument("--max-running", type=int, default=32, help="batch slots")
     rollout.add_argument("--seed", type=int, default=0, help="weights seed for a preset")
+    _control_flags(rollout, "weights, pause, memory, abort", "/update_weights_from_disk")
+    rollout.add_argument(
+        "--max-bucket-bytes",
+        type=int,
+        metavar="N",
+        help="largest body /furlong/update_weights_bucket takes (413 past it); default: "
+        "4294967296 (4 GiB, furlong.rollout.server.MAX_BUCKET_BYTES)",
+    )
     rollout.set_defaults(func=_rollout_server)
 
     sessions = sub.add_parser(
@@ -225,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     sessions.add_argument("--no-routing-replay", action="store_true", help="MoE: no R3 rows")
     sessions.add_argument("--max-running", type=int, default=32, help="batch slots")
     sessions.add_argument("--seed", type=int, default=0, help="weights seed for a preset")
+    _control_flags(sessions, "sessions, records, samples, weights", "POST /weights")
     sessions.set_defaults(func=_session_server)
 
     serve = sub.add_parser("serve", help="the Tinker-compatible training service")

@@ -1,19 +1,27 @@
-"""Pieces the furlong HTTP front ends share: reading a JSON object body, and running an ASGI
-app on 127.0.0.1 in a background thread (for tests, notebooks and examples that want a real
-server without a second process)."""
+"""Pieces the furlong HTTP front ends share: reading a JSON object body, stopping a handler's
+work when its client hangs up, and running an ASGI app on 127.0.0.1 in a background thread
+(for tests, notebooks and examples that want a real server without a second process)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 
 from furlong.errors import InputError
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its reply; the handler's work was cancelled."""
 
 
 async def read_json_object(
@@ -38,6 +46,33 @@ async def read_json_object(
     if unknown:
         raise InputError(f"body: unknown fields {unknown}; expected some of {list(allowed)}")
     return body
+
+
+async def unless_disconnected(request: Any, work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work`` while watching the connection; when the client hangs up first, cancel
+    ``work`` (which cleans up on ``CancelledError``) and raise :class:`ClientGone`. Starlette
+    cancels nothing on a disconnect while a non-streaming handler runs; the body must already
+    have been read, so that the next ASGI message can only be the disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is stopping: the work stops with it
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):  # its outcome has nobody to go to
+            await task
+        raise ClientGone("the client disconnected")
+    return task.result()
+
+
+async def _disconnect(request: Any) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @contextmanager

@@ -16,7 +16,7 @@ driver's strict decode refuses one it did not opt in to.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from furlong.rollout.base import (
     MemoryTag,
     PauseMode,
     Weights,
+    check_weight_shapes,
     expand_params,
     no_memory,
 )
@@ -41,7 +42,17 @@ from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sampling import SamplingParams
 
 CALLS = frozenset(
-    {"generate", "update_weights", "pause", "resume", "abort", "offload", "onload", "memory_bytes"}
+    {
+        "generate",
+        "update_weights",
+        "weight_shapes",
+        "pause",
+        "resume",
+        "abort",
+        "offload",
+        "onload",
+        "memory_bytes",
+    }
 )
 
 
@@ -109,6 +120,7 @@ class RayRollout:
         self.attempts = attempts
         self.restart_timeout_s = restart_timeout_s
         self.restarts = 0
+        self._shapes: dict[str, tuple[int, ...]] | None = None  # served parameters, once asked
         self._weights: ray.ObjectRef | None = None  # the last publication, for restarted engines
         self._version = 0
         ray.get([e.ready.remote() for e in self.engines])
@@ -143,6 +155,14 @@ class RayRollout:
         self._weights, self._version = ref, version
         self._all("update_weights", ref, version)
         return version
+
+    def check_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Against the served names and shapes (every engine serves the same model: asked of
+        the first, once)."""
+        if self._shapes is None:
+            ref = self.engines[0].call.remote("weight_shapes")
+            self._shapes = self._get(0, ref, "weight_shapes")
+        check_weight_shapes(weights, self._shapes)
 
     def pause(self, mode: PauseMode = "retract") -> None:
         self._all("pause", mode)

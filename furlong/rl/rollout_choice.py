@@ -71,8 +71,9 @@ def build_rollout(
     ``batch``: requests the loop sends at once (the embedded engine's slots; for servers,
     requests in flight). ``staging_dir``: a directory the servers can read, through which
     weights are published (required by real SGLang; furlong's server also takes HTTP
-    buckets). Errors name the config field: ``rollout.engine``, ``rollout.urls[i]``,
-    ``rollout.staging_dir``."""
+    buckets). The servers' admin token (weights, pausing, memory) is ``$FURLONG_ADMIN_TOKEN``:
+    a secret, so not in the config. Errors name the config field: ``rollout.engine``,
+    ``rollout.urls[i]``, ``rollout.staging_dir``."""
     checked = check_choice(kind, urls)  # "ray" (no scale.ray here) is refused
     if kind == "embedded":
         return EmbeddedEngine(copy.deepcopy(policy), tokenizer, max_running=batch)
@@ -88,6 +89,7 @@ def _fleet(
     timeout: float,
 ) -> SGLangClient:
     try:
+        from furlong.rollout.control import ADMIN_TOKEN_ENV
         from furlong.rollout.sglang_client import SGLangClient
     except ImportError as e:  # httpx comes with the server extra
         raise InputError(f'rollout.engine: "sglang" needs {e.name} (furlong[server])') from e
@@ -99,6 +101,7 @@ def _fleet(
         routed_experts_shape=routed_experts_shape(policy),
         staging_dir=staging_dir,
         timeout=timeout,
+        admin_token=os.environ.get(ADMIN_TOKEN_ENV, "").strip() or None,
         max_concurrency=max(1, math.ceil(batch / len(urls))),
     )
     try:

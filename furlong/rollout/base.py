@@ -95,6 +95,11 @@ class RolloutEngine(Protocol):
         """Publish new weights; returns the new weight version."""
         ...
 
+    def check_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Raise ``InputError`` for weights that ``update_weights`` would refuse, changing
+        nothing (a publisher checks before it pauses generation)."""
+        ...
+
     def abort(self, request_ids: Iterable[int | str] | None = None) -> int: ...
 
     def pause(self, mode: PauseMode = "retract") -> None: ...
@@ -119,6 +124,21 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release what the engine holds beyond this process (connections, Ray actors)."""
         ...
+
+
+def check_weight_shapes(
+    weights: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence[int]]
+) -> None:
+    """Every tensor names a parameter in ``shapes`` and has its shape, or an InputError."""
+    unknown = sorted(set(weights) - set(shapes))
+    if unknown:
+        raise InputError(f"update_weights: unknown tensors {unknown[:4]}")
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(shapes[name]):
+            raise InputError(
+                f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                f"the engine's is {tuple(shapes[name])}"
+            )
 
 
 def no_memory() -> MemoryBytes:

@@ -20,7 +20,7 @@ import itertools
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +42,7 @@ from furlong.rollout.base import (
     Weights,
     check_pause_mode,
     check_tags,
+    check_weight_shapes,
     expand_params,
 )
 from furlong.rollout.routing import RoutingRecorder
@@ -298,21 +299,24 @@ class EmbeddedEngine:
                 raise InputError(f"update_weights: no safetensors file at {path}")
             weights = {k: v for f in files for k, v in load_file(str(f)).items()}
         with self._model_lock:
+            self.check_weights(weights)
             targets = self._weight_targets()
-            unknown = sorted(set(weights) - set(targets))
-            if unknown:
-                raise InputError(f"update_weights: unknown tensors {unknown[:4]}")
-            for name, tensor in weights.items():
-                if tensor.shape != targets[name].shape:
-                    raise InputError(
-                        f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                        f"the engine's is {tuple(targets[name].shape)}"
-                    )
             for name, tensor in weights.items():
                 targets[name].copy_(tensor)
             if final:
                 self.weight_version = self.weight_version + 1 if version is None else int(version)
             return self.weight_version
+
+    def check_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Raise :class:`InputError` unless every tensor names one of the model's parameters
+        with its shape: what :meth:`update_weights` checks, for a caller that must know before
+        it pauses generation for a publication. Names and shapes never change, so this does
+        not wait for a running step."""
+        check_weight_shapes(weights, self.weight_shapes())
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each publishable tensor's name and shape."""
+        return {name: tuple(t.shape) for name, t in self._weight_targets().items()}
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         if "weights" in self._offloaded:
@@ -360,7 +364,7 @@ class EmbeddedEngine:
             batch.clear()
         elif mode == "retract":
             for request in batch.running:
-                request.routing = []  # recomputed with the prefix
+                _keep_sampled_routes(request)
             self._queue.extendleft(reversed(batch.running))
             batch.clear()
         self._pause_request, self._paused = None, True
@@ -542,7 +546,9 @@ class EmbeddedEngine:
         with self.router.record(_wants_routing(joining)):
             positions = (mask.cumsum(1) - 1).clamp(min=0)
             logits = self._forward(ids, mask, positions, cache, 0 if any(want_prompt) else 1)
-        self._collect_routing(joining, [width - len(s) for s in seqs])
+        # a retracted request keeps the rows it sampled with: only positions past them are new
+        first = [width - len(s) + _routed(r) for r, s in zip(joining, seqs, strict=True)]
+        self._collect_routing(joining, first)
         for row, request in enumerate(joining):
             if want_prompt[row]:  # first prefill: the sequence is the prompt
                 n = len(request.prompt)
@@ -611,14 +617,15 @@ class EmbeddedEngine:
             logits_to_keep=logits_to_keep,
         ).logits
 
-    def _collect_routing(self, requests: list[_Request], left_pad: list[int]) -> None:
-        """Append each asking request's routed-expert rows of the last forward pass."""
+    def _collect_routing(self, requests: list[_Request], first: list[int]) -> None:
+        """Append each asking request's routed-expert rows of the last forward pass, from its
+        row ``first`` on (past the left padding, and past rows it already holds)."""
         if not _wants_routing(requests):
             return
         rows = self.router.rows(len(requests))  # [batch, positions, layers, top_k]
-        for row, (request, pad) in enumerate(zip(requests, left_pad, strict=True)):
+        for row, (request, start) in enumerate(zip(requests, first, strict=True)):
             if request.params.return_routed_experts:
-                request.routing.append(rows[row, pad:].cpu())
+                request.routing.append(rows[row, start:].cpu())
 
     def _result(self, request: _Request, reason: FinishReason, version: int) -> GenerateResult:
         params = request.params
@@ -672,6 +679,21 @@ def _target_logprobs(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     cols = ids.to(logp.device)
     picked = logp.gather(-1, cols.clamp(min=0))
     return picked.masked_fill(cols < 0, float("nan")).cpu()
+
+
+def _routed(request: _Request) -> int:
+    """Positions whose routed-expert rows the request has recorded so far."""
+    return sum(int(rows.shape[0]) for rows in request.routing)
+
+
+def _keep_sampled_routes(request: _Request) -> None:
+    """On a retract, keep the rows of every position whose logits were sampled from (the
+    prompt and every output token but the last); the last token's logits are discarded and
+    recomputed with the prefix, so its row is too. Replaying a recomputed row (routing under
+    the new weights) for a token sampled under the old routing is the bug R3 exists to avoid."""
+    if request.routing:
+        used = len(request.prompt) + len(request.output) - 1
+        request.routing = [torch.cat(request.routing)[:used]]
 
 
 def _wants_routing(requests: list[_Request]) -> bool:

@@ -8,7 +8,12 @@ Endpoints (SGLang's names and bodies): ``POST /generate``, ``GET /health``,
 furlong's ``POST /furlong/update_weights_bucket`` (bucketed weights as safetensors bytes).
 Concurrent ``/generate`` calls join one running batch. Bad requests get HTTP 400 with
 ``{"error": {"message": ...}}`` naming the field (SGLang's error shape), and nothing is queued;
-bodies over ``max_body_bytes`` get 413.
+bodies over ``max_body_bytes`` (a weight bucket: ``max_bucket_bytes``) get 413.
+
+Generation and the read-only routes are open; the control routes (:data:`CONTROL_ROUTES`) ask
+for the :class:`~furlong.rollout.control.ControlPolicy`'s admin token when it has one (401
+otherwise, checked before the body is read), and ``/update_weights_from_disk`` loads only
+what the policy allows.
 """
 
 from __future__ import annotations
@@ -19,39 +24,77 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from safetensors import SafetensorError
 from safetensors.torch import load as safetensors_load
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from furlong.errors import InputError
 from furlong.rollout import sglang_wire as wire
 from furlong.rollout.base import MEMORY_TAGS, check_tags
+from furlong.rollout.control import ControlPolicy, Unauthorized
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.serving import read_json_object
 
 # Bodies past this are refused (413) as they arrive: a /generate batch of 1,000 prompts of
-# 4,096 ids is about 25 MB of JSON. A weight bucket holds whole tensors (an embedding alone
-# can be GBs), so that route takes any size.
+# 4,096 ids is about 25 MB of JSON. A weight bucket holds whole tensors (a 150k x 8192 bf16
+# embedding alone is 2.4 GB), so that route has its own, larger limit.
 MAX_BODY_BYTES = 64 << 20
+MAX_BUCKET_BYTES = 4 << 30
 _ANY_SIZE = 1 << 50
 
+BUCKET_ROUTE = "/furlong/update_weights_bucket"
+# who may change what the server serves: the trainer, with the admin token
+CONTROL_ROUTES = (
+    "/update_weights_from_disk",
+    BUCKET_ROUTE,
+    "/pause_generation",
+    "/continue_generation",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/flush_cache",
+    "/abort_request",
+)
 
-def _error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+class _TooLarge(Exception):
+    """HTTP 413 for a body past a route's own limit."""
+
+
+def _error(message: str, status: int = 400, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status, headers=headers)
 
 
 def create_app(
-    engine: EmbeddedEngine, model_path: str = "", max_body_bytes: int = MAX_BODY_BYTES
+    engine: EmbeddedEngine,
+    model_path: str = "",
+    max_body_bytes: int = MAX_BODY_BYTES,
+    policy: ControlPolicy | None = None,
+    max_bucket_bytes: int = MAX_BUCKET_BYTES,
 ) -> FastAPI:
+    """The server's app. ``policy``: who may call the control routes and which weight files
+    they may name; the default is open (an in-process server, trusted callers)."""
+    policy = ControlPolicy() if policy is None else policy
     app = FastAPI(title="furlong rollout server (SGLang protocol)", max_body_size=max_body_bytes)
+
+    async def admin_only(request: Request) -> None:
+        policy.require_admin(request.headers)  # headers only: the body is not read yet
+
+    control = APIRouter(dependencies=[Depends(admin_only)])
 
     @app.exception_handler(InputError)
     async def _bad_input(_request: Request, exc: InputError) -> JSONResponse:
         return _error(str(exc))
+
+    @app.exception_handler(Unauthorized)
+    async def _unauthorized(_request: Request, exc: Unauthorized) -> JSONResponse:
+        return _error(str(exc), 401, {"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(_TooLarge)
+    async def _too_large(_request: Request, exc: _TooLarge) -> JSONResponse:
+        return _error(str(exc), 413)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -103,6 +146,8 @@ def create_app(
                 "vocab_size": engine.vocab_size,
                 "eos_token_ids": sorted(engine.eos_ids),
                 "routed_experts_shape": shape,
+                # names and shapes, so that a publisher can check before it pauses generation
+                "parameters": {n: list(v) for n, v in engine.weight_shapes().items()},
             },
         }
 
@@ -120,29 +165,19 @@ def create_app(
             "weight_version": str(engine.weight_version),
         }
 
-    @app.post("/update_weights_from_disk")
+    @control.post("/update_weights_from_disk")
     async def update_from_disk(request: Request) -> JSONResponse:
-        body = await read_json_object(request)
-        path = body.get("model_path")
-        raw_version = body.get("weight_version")
-        version = None if raw_version is None else wire.parse_version(raw_version)
-        failure = None
-        if not isinstance(path, str) or not path:
-            failure = "model_path: expected a non-empty string"
-        elif raw_version is not None and version is None:
-            failure = f"weight_version: furlong versions are integers, got {raw_version!r}"
-        if failure is None:
-            try:
-                if wire.flag(body.get("abort_all_requests"), "abort_all_requests"):
-                    await run_in_threadpool(engine.abort)
-                new = await run_in_threadpool(engine.update_weights, path, version)
-            except InputError as e:
-                failure = str(e)
-            except (OSError, SafetensorError) as e:  # unreadable, or not safetensors
-                failure = f"model_path: cannot load {path!r} ({e})"
-        if failure is not None:
+        try:  # SGLang's reply shape, also for refusals
+            path, version, abort_all = _disk_update(await read_json_object(request))
+            # any failure to load is one message: the client learns nothing about the file
+            tensors = await run_in_threadpool(policy.load_weights, path, "model_path")
+            if abort_all:
+                engine.check_weights(tensors)  # a refused publication aborts nothing
+                await run_in_threadpool(engine.abort)
+            new = await run_in_threadpool(engine.update_weights, tensors, version)
+        except InputError as e:
             return JSONResponse(
-                {"success": False, "message": failure, "num_paused_requests": 0}, 400
+                {"success": False, "message": str(e), "num_paused_requests": 0}, 400
             )
         return JSONResponse(
             {
@@ -152,15 +187,16 @@ def create_app(
             }
         )
 
-    @app.post("/furlong/update_weights_bucket", max_body_size=_ANY_SIZE)
+    @control.post(BUCKET_ROUTE, max_body_size=_ANY_SIZE)  # capped below, with its own message
     async def update_bucket(
         request: Request, final: bool = True, weight_version: int | None = None
     ):
         """furlong's bucketed publication across processes (SGLang's own tensor endpoint
         carries CUDA-IPC handles): the body is one safetensors blob; ``final=false`` buckets
         are copied without moving the weight version."""
+        blob = await _read_capped(request, max_bucket_bytes)
         try:
-            bucket = safetensors_load(await request.body())
+            bucket = safetensors_load(blob)
         except Exception as e:  # safetensors raises its own error types on bad bytes
             raise InputError(f"body: not a safetensors payload ({e})") from e
         new = await run_in_threadpool(
@@ -168,38 +204,38 @@ def create_app(
         )
         return {"success": True, "weight_version": str(new)}
 
-    @app.post("/pause_generation")
+    @control.post("/pause_generation")
     async def pause(request: Request) -> dict:
         body = await read_json_object(request, required=False)
         await run_in_threadpool(engine.pause, body.get("mode", "abort"))
         return {"message": "Generation paused successfully.", "status": "ok"}
 
-    @app.post("/continue_generation")
+    @control.post("/continue_generation")
     async def resume(request: Request) -> dict:
         await read_json_object(request, required=False)
         engine.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    @control.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release(request: Request) -> None:
         tags = _tags(await read_json_object(request, required=False))
         if tags:
             await run_in_threadpool(engine.offload, tags)
 
-    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    @control.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory(request: Request) -> None:
         tags = _tags(await read_json_object(request, required=False))
         if tags:
             await run_in_threadpool(engine.onload, tags)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @control.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
         # No prefix cache to flush; like SGLang, refuse while requests are in the engine.
         if engine.busy:
             return PlainTextResponse("Cache not flushed: requests are running.", 400)
         return PlainTextResponse("Cache flushed.")
 
-    @app.post("/abort_request")
+    @control.post("/abort_request")
     async def abort(request: Request) -> PlainTextResponse:
         body = await read_json_object(request)
         if body.get("abort_all"):
@@ -208,7 +244,37 @@ def create_app(
             await run_in_threadpool(engine.abort, [str(body["rid"])])
         return PlainTextResponse("")
 
+    app.include_router(control)  # after its routes are declared
     return app
+
+
+def _disk_update(body: dict) -> tuple[str, int | None, bool]:
+    """(model_path, weight_version, abort_all_requests) of an ``/update_weights_from_disk``
+    body, checked before anything is loaded."""
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path:
+        raise InputError("model_path: expected a non-empty string")
+    raw_version = body.get("weight_version")
+    version = None if raw_version is None else wire.parse_version(raw_version)
+    if raw_version is not None and version is None:
+        raise InputError(f"weight_version: furlong versions are integers, got {raw_version!r}")
+    return path, version, wire.flag(body.get("abort_all_requests"), "abort_all_requests")
+
+
+async def _read_capped(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is known to pass ``limit``: by its declared
+    length before any of it is read, else as the chunks arrive."""
+    too_large = _TooLarge(f"body: over the server's weight bucket limit of {limit} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _parse_generate(engine: EmbeddedEngine, body: dict) -> tuple[bool, list, list, list]:
@@ -294,11 +360,20 @@ def _tags(body: dict) -> list[str]:
     return check_tags(kept) if kept else []
 
 
-def serve(model: str, host: str, port: int, max_running: int, seed: int) -> None:
+def serve(
+    model: str,
+    host: str,
+    port: int,
+    max_running: int,
+    seed: int,
+    policy: ControlPolicy,
+    max_bucket_bytes: int = MAX_BUCKET_BYTES,
+) -> None:
     import uvicorn
 
     from furlong.models import load_model
 
     net, tokenizer = load_model(model, seed=seed)
     engine = EmbeddedEngine(net, tokenizer, max_running=max_running)
-    uvicorn.run(create_app(engine, model), host=host, port=port, log_level="warning")
+    app = create_app(engine, model, policy=policy, max_bucket_bytes=max_bucket_bytes)
+    uvicorn.run(app, host=host, port=port, log_level="warning")

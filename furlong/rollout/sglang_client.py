@@ -9,7 +9,8 @@ requests in flight (ties in turn), and weights, pausing and memory calls go to e
 ``update_weights`` takes a safetensors file or an HF directory the servers can read
 (``/update_weights_from_disk``), or a state dict: written to ``staging_dir`` (a filesystem
 shared with the servers; works with SGLang) or, without one, sent in buckets of
-``bucket_bytes`` over HTTP (furlong's server only).
+``bucket_bytes`` over HTTP (furlong's server only). ``admin_token`` is sent with every request
+(``Authorization: Bearer``): ``furlong rollout-server`` asks for it on its control routes.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from furlong.rollout.base import (
     check_pause_mode,
     check_tags,
     check_url,
+    check_weight_shapes,
     expand_params,
     no_memory,
 )
+from furlong.rollout.control import Unauthorized
 from furlong.rollout.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -69,19 +72,23 @@ class SGLangClient:
         routed_experts_shape: tuple[int, int] | None = None,
         staging_dir: str | os.PathLike | None = None,
         bucket_bytes: int = 64 << 20,
+        admin_token: str | None = None,
     ):
         """``urls``: one base URL or several (servers of the same model). ``tokenizer`` and
         ``context_length`` are the served model's, for the session server (the HTTP protocol
         does not carry them). ``routed_experts_shape``: (layers, top_k) of an MoE model; None
         asks furlong's server, and a server that does not say is taken as dense.
-        ``max_concurrency``: requests in flight per server."""
+        ``max_concurrency``: requests in flight per server. ``admin_token``: the servers' token
+        for weight publication, pausing, memory and aborts (``furlong rollout-server
+        --admin-token-file`` / ``$FURLONG_ADMIN_TOKEN``)."""
         listed = [urls] if isinstance(urls, str) else list(urls)
         if not listed:
             raise InputError("urls: empty; expected at least one server URL")
         self.urls = [check_url(u, f"urls[{i}]") for i, u in enumerate(listed)]
         self.tokenizer = tokenizer
         self.context_length = context_length
-        self._servers = [httpx.Client(base_url=u, timeout=timeout) for u in self.urls]
+        auth = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self._servers = [httpx.Client(base_url=u, timeout=timeout, headers=auth) for u in self.urls]
         self._pool = ThreadPoolExecutor(
             max_concurrency * len(self.urls), thread_name_prefix="sglang-client"
         )
@@ -89,6 +96,7 @@ class SGLangClient:
         self._router = None if shape is None else RemoteRouter((int(shape[0]), int(shape[1])))
         self._staging = Path(staging_dir) if staging_dir else None
         self._bucket_bytes = bucket_bytes
+        self._shapes: dict[str, list[int]] | None = None  # the served parameters, once asked
         self._lock = threading.Lock()  # guards the placement state below
         self._in_flight = [0] * len(self.urls)
         self._turn = 0  # the next server to win a tie
@@ -209,6 +217,14 @@ class SGLangClient:
         raw = self._get(server, "/get_weight_version")["weight_version"]
         return wire.parse_version(raw) or 0
 
+    def check_weights(self, weights: Mapping[str, Any]) -> None:
+        """Names and shapes against what furlong's rollout server reports; a server that does
+        not report them (SGLang's own) checks only when the weights arrive."""
+        if self._shapes is None:  # asked once: every server serves the same model
+            self._shapes = (self.model_info().get("furlong") or {}).get("parameters") or {}
+        if self._shapes:
+            check_weight_shapes(weights, self._shapes)
+
     def update_weights(self, weights: Weights, version: int | None = None) -> int:
         """Publish to every server; returns the version they all report."""
         if isinstance(weights, Mapping):
@@ -309,6 +325,7 @@ class SGLangClient:
 
     def _get(self, server: int, path: str) -> Any:
         response = self._servers[server].get(path)
+        _check_auth(response, path)
         response.raise_for_status()
         return response.json()
 
@@ -317,6 +334,7 @@ class SGLangClient:
 
     def _check(self, response: httpx.Response, where: str) -> Any:
         url = response.request.url
+        _check_auth(response, where)
         if response.status_code == 400:  # the server names the bad field
             raise InputError(f"{where}: {_message(response)}")
         if response.status_code != 200:
@@ -337,6 +355,14 @@ def _buckets(weights: Mapping[str, Any], limit: int) -> Iterator[dict[str, Any]]
         bucket[name] = tensor.detach().contiguous().cpu()
         size += nbytes
     yield bucket
+
+
+def _check_auth(response: httpx.Response, where: str) -> None:
+    if response.status_code == 401:
+        raise Unauthorized(
+            f"{where}: {response.request.url} refused the call (401): the admin token is "
+            "missing or wrong; pass SGLangClient(..., admin_token=...) with the server's token"
+        )
 
 
 def _message(response: httpx.Response) -> str:

@@ -111,6 +111,7 @@ PROTOCOL = [
     "generate",
     "submit",
     "update_weights",
+    "check_weights",
     "abort",
     "pause",
     "resume",

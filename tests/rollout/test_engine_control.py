@@ -7,6 +7,7 @@ under the new weights, in_place keeps the stale cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -215,9 +216,11 @@ def test_offload_kv_cache_of_frozen_requests_then_resume(setup) -> None:
 def test_update_weights_from_another_thread_lands_between_steps(setup) -> None:
     model, tokenizer, prompt = setup
     engine = EmbeddedEngine(model, tokenizer)
-    future = engine.submit(prompt, LONG)
+    new = perturbed(model)  # made before the request starts: only the copy races its end
+    # as long as the context allows, so that a loaded machine still ends it after the update
+    future = engine.submit(prompt, dataclasses.replace(LONG, max_tokens=2000))
     run_steps(engine, 3)
-    worker = threading.Thread(target=engine.update_weights, args=(perturbed(model),))
+    worker = threading.Thread(target=engine.update_weights, args=(new,))
     worker.start()
     worker.join(timeout=30)
     assert future.result(timeout=30).weight_version == 1

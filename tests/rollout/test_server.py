@@ -178,7 +178,7 @@ def test_bad_control_requests_get_400(served) -> None:
     assert tags.status_code == 400 and "tags[0]: 'disk'" in tags.json()["error"]["message"]
     update = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": "/nowhere"})
     assert update.status_code == 400 and update.json()["success"] is False
-    with pytest.raises(InputError, match="no safetensors file at /nowhere"):
+    with pytest.raises(InputError, match="no loadable safetensors weights at '/nowhere'"):
         client.update_weights("/nowhere")
     assert not engine.paused and not engine.offloaded and engine.weight_version == 0
 

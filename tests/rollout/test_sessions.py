@@ -144,8 +144,11 @@ def test_an_aborted_turn_is_503_and_changes_nothing() -> None:
             assert server.publish_weights(perturbed(spy.engine.model), 1) == 1
             response = pending.result(timeout=60)
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
-        assert "aborted by a weight update" in response.json()["error"]["message"]
-        assert info(client, sid) == before  # no record, same checkpoint
+        assert "aborted by the engine (a weight update" in response.json()["error"]["message"]
+        after = info(client, sid)
+        (aborted,) = after.pop("aborted")  # noted, never committed
+        assert aborted["reason"] == "engine" and aborted["output_tokens"] == 0
+        assert after == {k: v for k, v in before.items() if k != "aborted"}  # same checkpoint
         turn(client, sid, messages, seed=2)  # the agent retries: same offset, new weights
         assert [p.routed_experts_start for p in spy.params][-2:] == [len(before["tokens"]) - 1] * 2
         records = server.get(sid).records

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from furlong.errors import InputError
 from furlong.rollout.codec import opt_in
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.sample import Sample
@@ -94,10 +95,31 @@ def test_a_publish_under_abort_turns_a_remote_turn_into_503() -> None:
             assert server.publish_weights(perturbed(backend.model), 1) == 1
             response = pending.result(timeout=60)
         assert response.status_code == 503, response.text
-        assert info(client, sid) == before  # nothing committed
+        after = info(client, sid)
+        assert [a["reason"] for a in after.pop("aborted")] == ["engine"]
+        assert after == {k: v for k, v in before.items() if k != "aborted"}  # nothing committed
         turn(client, sid, messages, seed=2)  # the retry runs under the new weights
         assert [r.weight_version for r in server.get(sid).records] == [0, 1]
         assert backend.weight_version == 1 and not backend.paused
+
+
+def test_a_refused_remote_publication_aborts_no_turn() -> None:
+    """The rollout server reports its parameters' names and shapes, so the session server
+    checks a publication before it pauses the remote engine."""
+    with remote("tiny-qwen3", pause_mode="abort") as (backend, server, client):
+        sid = open_session(client)
+        backend.pause("in_place")
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(chat, client, sid, USER)
+            wait_until_queued(backend)
+            name, param = next(iter(backend.model.named_parameters()))
+            for bad in ({"not.a.weight": param.detach()}, {name: torch.zeros(2, 2)}):
+                with pytest.raises(InputError, match="update_weights: "):
+                    server.publish_weights(bad)
+            assert backend.paused and backend.busy and backend.weight_version == 0
+            backend.resume()
+            assert pending.result(timeout=60).status_code == 200
+        assert info(client, sid)["aborted"] == []
 
 
 def test_closing_a_session_aborts_its_request_on_the_server() -> None:

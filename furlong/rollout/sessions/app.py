@@ -1,39 +1,43 @@
 """The session server over HTTP (FastAPI). An agent harness only needs a session's base URL,
-``{server}/sessions/{id}/v1``, where it finds an OpenAI-compatible ``/chat/completions``.
+``{server}/sessions/{id}/v1``, where it finds an OpenAI-compatible ``/chat/completions``; the
+session id in it is the agent's only credential. Everything else is control, for the RL
+driver and the trainer, and asks for the admin token when the server has one
+(``Authorization: Bearer <token>``; see :mod:`furlong.rollout.control`).
 
-    POST   /sessions                           open: {"id", "base_url"}
-    GET    /sessions/{id}                      the checkpoint tokens and the turn records
-    POST   /sessions/{id}/v1/chat/completions  one turn (OpenAI request and response shape)
+    agents:
+    POST   /sessions/{id}/v1/chat/completions  one turn (OpenAI request and response shape);
+                                               a client that hangs up aborts its turn
     GET    /sessions/{id}/v1/models            the served model (OpenAI clients ask for it)
+    control:
+    POST   /sessions                           open: {"id", "base_url"}
+    GET    /sessions/{id}                      the checkpoint tokens, the turn records and
+                                               the turns that never committed
     POST   /sessions/{id}/samples              the trajectory as training samples: the codec's
                                                payload (Accept: application/x-furlong-samples)
                                                or JSON; ?fields= opts in to optional fields
     DELETE /sessions/{id}                      close (a turn in flight is aborted)
     POST   /weights                            publish weights from a safetensors file or HF
-                                               directory, under the configured pause mode
+                                               directory (inside ``weights_dir`` when set),
+                                               under the configured pause mode
 
 Errors use OpenAI's shape ``{"error": {"message", "type"}}``: 400 malformed requests (the
-message names the field), 404 unknown sessions, 422 routed-expert assembly failures (naming
-the record), 413 a body over the limit, 429 too many sessions, 503 a turn aborted by a
-weight update (retry it).
+message names the field), 401 a control route without the admin token, 404 unknown sessions,
+422 routed-expert assembly failures (naming the record), 413 a body over the limit, 429 too
+many sessions, 503 a turn aborted by the engine (retry it).
 """
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
-from typing import Any
 
-import torch
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from furlong.errors import InputError
 from furlong.rollout.codec import MEDIA_TYPE, encode_samples, payload_fields
+from furlong.rollout.control import ControlPolicy, Unauthorized
 from furlong.rollout.sessions.r3 import AssemblyError
 from furlong.rollout.sessions.service import (
     SessionNotFound,
@@ -42,7 +46,7 @@ from furlong.rollout.sessions.service import (
     TurnAborted,
 )
 from furlong.rollout.sessions.wire import parse_fields, sample_to_json, wants_codec
-from furlong.serving import read_json_object
+from furlong.serving import ClientGone, read_json_object, unless_disconnected
 
 # Bodies past this are refused (413) as they arrive; a conversation that fills a 128k-token
 # context is a few MB of JSON.
@@ -51,6 +55,7 @@ MAX_BODY_BYTES = 16 << 20
 _ERRORS: dict[type[Exception], tuple[int, str]] = {
     AssemblyError: (422, "assembly_error"),
     InputError: (400, "invalid_request_error"),
+    Unauthorized: (401, "authentication_error"),
     SessionNotFound: (404, "not_found_error"),
     TooManySessions: (429, "rate_limit_error"),
     TurnAborted: (503, "turn_aborted"),
@@ -58,14 +63,26 @@ _ERRORS: dict[type[Exception], tuple[int, str]] = {
 
 
 def _error(status: int, kind: str, message: str) -> JSONResponse:
-    headers = {"Retry-After": "1"} if status == 503 else None
+    headers = {503: {"Retry-After": "1"}, 401: {"WWW-Authenticate": "Bearer"}}.get(status)
     body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def create_app(server: SessionServer, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(
+    server: SessionServer,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    policy: ControlPolicy | None = None,
+) -> FastAPI:
+    """``policy``: the admin token and weights directory (default: none, for a server in a
+    trusted process; ``furlong session-server`` always has a token)."""
+    policy = policy or ControlPolicy()
     app = FastAPI(title="furlong session server", max_body_size=max_body_bytes)
     app.state.sessions = server
+
+    def admin(request: Request) -> None:
+        policy.require_admin(request.headers)
+
+    control = [Depends(admin)]  # checked before the body is read or anything is looked up
 
     for exc_type, (status, kind) in _ERRORS.items():
 
@@ -89,32 +106,37 @@ def create_app(server: SessionServer, max_body_bytes: int = MAX_BODY_BYTES) -> F
     async def health() -> dict:
         return {"status": "ok", "sessions": len(server.sessions)}
 
-    @app.post("/sessions")
+    @app.post("/sessions", dependencies=control)
     async def open_session(request: Request) -> dict:
         body = await read_json_object(request, required=False, allowed=("return_sampling_mask",))
         session = server.open(body.get("return_sampling_mask", False))
         return {"id": session.id, "base_url": f"/sessions/{session.id}/v1"}
 
-    @app.get("/sessions/{session_id}")
+    @app.get("/sessions/{session_id}", dependencies=control)
     async def session_info(session_id: str) -> dict:
         session = server.get(session_id)
         return {
             "id": session.id,
             "tokens": session.tokens,
             "records": [r.summary(i) for i, r in enumerate(session.records)],
+            "aborted": [a.summary() for a in session.aborted],
             "use_addition_r3": server.use_addition_r3,
             "routing_replay": server.replay,
         }
 
-    @app.delete("/sessions/{session_id}")
+    @app.delete("/sessions/{session_id}", dependencies=control)
     async def close_session(session_id: str) -> dict:
         await server.close(session_id)
         return {"id": session_id, "deleted": True}
 
-    @app.post("/sessions/{session_id}/v1/chat/completions")
-    async def chat(session_id: str, request: Request) -> dict:
+    @app.post("/sessions/{session_id}/v1/chat/completions", response_model=None)
+    async def chat(session_id: str, request: Request) -> dict | Response:
         server.get(session_id)  # 404 before reading the body
-        return await server.chat(session_id, await read_json_object(request, required=False))
+        body = await read_json_object(request, required=False)
+        try:  # a client that hangs up stops its turn: the engine aborts it, nothing commits
+            return await unless_disconnected(request, server.chat(session_id, body))
+        except ClientGone:
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.get("/sessions/{session_id}/v1/models")
     async def models(session_id: str) -> dict:
@@ -122,7 +144,7 @@ def create_app(server: SessionServer, max_body_bytes: int = MAX_BODY_BYTES) -> F
         name = server.config.model_name
         return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "furlong"}]}
 
-    @app.post("/sessions/{session_id}/samples")
+    @app.post("/sessions/{session_id}/samples", dependencies=control)
     async def samples(session_id: str, request: Request) -> Response:
         wanted = parse_fields(request.query_params.get("fields", ""))
         body = await read_json_object(request, required=False, allowed=("reward", "max_length"))
@@ -132,31 +154,15 @@ def create_app(server: SessionServer, max_body_bytes: int = MAX_BODY_BYTES) -> F
             return Response(encode_samples([sample], fields), media_type=MEDIA_TYPE)
         return JSONResponse({"samples": [sample_to_json(sample, fields)]})
 
-    @app.post("/weights")
+    @app.post("/weights", dependencies=control)
     async def publish(request: Request) -> dict:
         """For a trainer in another process; in process, call ``server.publish_weights``."""
         body = await read_json_object(request, required=False, allowed=("path", "version"))
         path, version = body.get("path"), body.get("version")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
             raise InputError(f"version: expected an integer or null, got {version!r}")
-        weights = await asyncio.to_thread(load_weights, path)
+        weights = await asyncio.to_thread(policy.load_weights, path)
         new = await asyncio.to_thread(server.publish_weights, weights, version)
         return {"weight_version": new}
 
     return app
-
-
-def load_weights(path: Any) -> dict[str, torch.Tensor]:
-    """The tensors at ``path`` (a safetensors file or a directory of them), read before the
-    engine is paused: a bad path is an :class:`InputError` naming ``path`` and changes
-    nothing (no turn is aborted, the weight version stays)."""
-    if not isinstance(path, str) or not path:
-        raise InputError(f"path: expected a safetensors file or directory, got {path!r}")
-    where = Path(path)
-    files = sorted(where.glob("*.safetensors")) if where.is_dir() else [where]
-    if not files or not all(f.is_file() for f in files):
-        raise InputError(f"path: no safetensors file at {path!r}")
-    try:
-        return {k: v for f in files for k, v in load_file(str(f)).items()}
-    except (OSError, SafetensorError) as exc:  # unreadable, or not safetensors
-        raise InputError(f"path: cannot load {path!r} ({exc})") from None

@@ -4,12 +4,14 @@ and how the records' patches are assembled into one ``[len(tokens) - 1, layers, 
 Row ``i`` is the routing of position ``i`` as fed forward; the trajectory's last token has none.
 Under ``abort`` and ``in_place`` the rows of earlier turns never change, so a turn asks only
 for rows from ``len(checkpoint) - 1`` on (incremental R3; the first row is the previous turn's
-last token, which was sampled but never fed forward). Under ``retract`` an in-flight turn's
-prefix may be recomputed under new weights, so every turn asks for full rows instead.
+last token, which was sampled but never fed forward). Under ``retract`` every turn asks for
+full rows instead, and assembly takes from each record only its own span: the rows a later
+turn's prefill recomputed for earlier positions never replace the rows they were sampled with.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -85,27 +87,28 @@ def assemble_incremental(records: Sequence[TurnRecord], n_tokens: int) -> torch.
 
 
 def assemble_full(records: Sequence[TurnRecord], n_tokens: int) -> torch.Tensor:
-    """Full R3 (``retract``): every turn returned rows from 0, so the last record's rows cover
-    the whole trajectory; cut them to ``n_tokens - 1``."""
-    required = max(0, n_tokens - 1)
-    if not records:
-        raise AssemblyError("records: none to assemble")
+    """Full R3 (``retract``): every turn returned rows from position 0, but only its own span,
+    from where the previous record's rows end to its own end, is its to give. Its rows before
+    that are its prefill's recomputation of earlier turns (under newer weights, perhaps), not
+    the routes those turns sampled with, so a later turn never overwrites an earlier one."""
+    spans: list[TurnRecord] = []
+    covered = 0
     for i, record in enumerate(records):
         if record.start_len is not None:
             raise AssemblyError(
                 f"{_name(i, record)}: start_len {record.start_len} under full R3 (expected none)"
             )
-    i, last = len(records) - 1, records[-1]
-    rows = last.routed_experts
-    have = 0 if rows is None else int(rows.shape[0])
-    if rows is None or rows.dim() != 3 or have != last.end:
-        shape = None if rows is None else tuple(rows.shape)
-        raise AssemblyError(f"{_name(i, last)}: payload {shape}, expected {last.end} full rows")
-    if have < required:
-        raise AssemblyError(
-            f"{_name(i, last)}: rows cover {have} positions, the trajectory needs {required}"
-        )
-    return _cut([rows], required)
+        rows = record.routed_experts
+        have = 0 if rows is None else int(rows.shape[0])
+        if rows is None or rows.dim() != 3 or have != record.end:
+            shape = None if rows is None else tuple(rows.shape)
+            raise AssemblyError(
+                f"{_name(i, record)}: payload {shape}, expected {record.end} full rows"
+            )
+        own = rows[covered:] if record.end > covered else None
+        spans.append(dataclasses.replace(record, start_len=covered, routed_experts=own))
+        covered = max(covered, record.end)
+    return assemble_incremental(spans, n_tokens)
 
 
 def assemble_routed_experts(

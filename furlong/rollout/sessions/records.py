@@ -1,9 +1,10 @@
-"""One record per committed turn: what was asked, what came back, and its routed-expert patch."""
+"""One record per committed turn: what was asked, what came back, and its routed-expert patch;
+and a note of each turn that ended without being committed."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -45,4 +46,25 @@ class TurnRecord:
             "start_len": self.start_len,
             "end": self.end,
             "routed_rows": 0 if rows is None else int(rows.shape[0]),
+        }
+
+
+# engine: the engine ended it (a weight update under pause mode "abort", or an abort request);
+# client_disconnected: the agent hung up before the reply, so the engine was told to stop
+AbortReason = Literal["engine", "client_disconnected"]
+
+
+@dataclass(frozen=True)
+class AbortedTurn:
+    """A turn that was started and never committed: nothing of it is in the trajectory."""
+
+    request_id: str
+    reason: AbortReason
+    output_tokens: int | None  # generated before it stopped (None: not known)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "reason": self.reason,
+            "output_tokens": self.output_tokens,
         }

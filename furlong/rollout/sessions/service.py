@@ -12,17 +12,19 @@ import asyncio
 import logging
 import math
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
 from furlong.errors import InputError
 from furlong.rollout.base import GenerateResult, RolloutEngine, Weights
+from furlong.rollout.control import ControlPolicy
 from furlong.rollout.sample import Sample, truncate_response
 from furlong.rollout.sampling import SamplingParams, fit_max_tokens
 from furlong.rollout.sessions.chat import ChatRequest, Message, completion_body, parse_chat_request
 from furlong.rollout.sessions.config import SessionServerConfig
 from furlong.rollout.sessions.r3 import assemble_routed_experts, request_offset, use_addition_r3
-from furlong.rollout.sessions.records import TurnRecord
+from furlong.rollout.sessions.records import AbortedTurn, TurnRecord
 from furlong.rollout.sessions.render import (
     PromptBudget,
     check_chatml,
@@ -39,8 +41,8 @@ class SessionNotFound(LookupError):
 
 
 class TurnAborted(RuntimeError):
-    """The engine aborted the turn (a weight publication under ``abort``): HTTP 503; nothing
-    was committed, the agent retries the turn."""
+    """The engine aborted the turn (a weight publication under ``abort``, or an abort
+    request): HTTP 503; nothing was committed, the agent retries the turn."""
 
 
 class TooManySessions(RuntimeError):
@@ -67,8 +69,7 @@ class SessionServer:
         if self.replay and not self.use_addition_r3:
             log.warning(
                 "session server: pause mode 'retract' with routing replay returns full "
-                "routed-expert rows on every turn (payloads grow with the trajectory), and a "
-                "retracted turn's earlier rows are its recomputed prefill routing"
+                "routed-expert rows on every turn (payloads grow with the trajectory)"
             )
         self.sessions: dict[str, Session] = {}
 
@@ -132,9 +133,11 @@ class SessionServer:
             if session.closed:
                 raise SessionNotFound(f"session {session_id!r}: closed during the turn")
             if result.finish_reason == "abort":
+                session.aborted.append(AbortedTurn(rid, "engine", len(result.output_ids)))
                 raise TurnAborted(
-                    f"session {session_id!r}: the turn was aborted by a weight update "
-                    f"(pause mode {self.config.pause_mode!r}); nothing was committed, retry it"
+                    f"session {session_id!r}: the turn was aborted by the engine (a weight "
+                    f"update under pause mode {self.config.pause_mode!r}, or an abort request); "
+                    "nothing was committed, retry it"
                 )
             record = self._record(rid, plan, start, result, request)
             session.commit(plan, record)
@@ -161,8 +164,11 @@ class SessionServer:
         try:
             # shielded: cancelling the handler must not cancel the engine's own future
             return await asyncio.shield(asyncio.wrap_future(future))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client hung up (or the server is stopping)
             await asyncio.to_thread(self.engine.abort, [rid])
+            done = future.done() and future.exception() is None
+            made = len(future.result().output_ids) if done else None
+            session.aborted.append(AbortedTurn(rid, "client_disconnected", made))
             raise
         finally:
             session.in_flight = None
@@ -254,7 +260,12 @@ class SessionServer:
 
     def publish_weights(self, weights: Weights, version: int | None = None) -> int:
         """New weights for the engine; in-flight turns follow the configured pause mode
-        (``abort``: they come back aborted and their agents get 503)."""
+        (``abort``: they come back aborted and their agents get 503). The names and shapes
+        are checked before the pause: a refused publication changes nothing and stops no
+        turn."""
+        if not isinstance(weights, Mapping):
+            weights = ControlPolicy().load_weights(weights)
+        self.engine.check_weights(weights)
         self.engine.pause(self.config.pause_mode)
         try:
             return self.engine.update_weights(weights, version)

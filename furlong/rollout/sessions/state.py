@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from furlong.rollout.sample import Sample, append_forced, append_sampled, truncate_response
 from furlong.rollout.sessions.chat import Message
-from furlong.rollout.sessions.records import TurnRecord
+from furlong.rollout.sessions.records import AbortedTurn, TurnRecord
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -43,6 +43,7 @@ class Session:
     # always sees a consistent pair; the trajectory's tokens are the checkpoint
     committed: tuple[list[TurnRecord], Sample | None] = field(default_factory=lambda: ([], None))
     turns_started: int = 0
+    aborted: list[AbortedTurn] = field(default_factory=list)  # turns that never committed
     closed: bool = False
     in_flight: str | None = None  # the engine request id of the running turn
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
