@@ -100,11 +100,13 @@ def build_parts(config: RLConfig, scale: ScaleOut, saved: resume_mod.Checkpoint 
         staging = ro.staging_dir or None
         rollout = build_rollout(ro.engine, ro.urls, policy, tokenizer, batch, staging_dir=staging)
     reference = _reference(config, policy, engine_config)
-    critic = build_critic(config, policy)
+    critic = build_critic(config, policy, engine_config)
     if saved is not None:  # the copies above started from the model as loaded
         resume_mod.restore_reference(saved, reference)
-        critic = resume_mod.restore_critic(
-            saved, critic, lambda: build_critic(config, resume_mod.actor_model(saved, policy))
+        critic = resume_mod.restore_critic(  # the actor's weights only if the critic's are gone
+            saved,
+            critic,
+            lambda: build_critic(config, resume_mod.actor_model(saved, policy), engine_config),
         )
     colocation = _colocation(config, actor, rollout, saved)  # a colocated actor loads in there
     if saved is not None and colocation is None:

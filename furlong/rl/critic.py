@@ -22,14 +22,16 @@ if TYPE_CHECKING:
 INFO = {"role": "critic"}  # stored with its checkpoints: an actor checkpoint is refused by name
 
 
-def build_critic(config: RLConfig, policy: PreTrainedModel) -> TrainingEngine | None:
+def build_critic(
+    config: RLConfig, policy: PreTrainedModel, engine_config: EngineConfig
+) -> TrainingEngine | None:
     """A critic on a copy of the policy's trunk with a fresh value head (``algo.advantage =
-    "gae"``), else None."""
+    "gae"``), else None. It trains with the run's engine settings, the actor's: its optimizer
+    (kind, state store), prefix sharing and device."""
     if not config.uses_critic:
         return None
-    device = config.model.device
-    model = critic_from_policy(policy, seed=config.run.seed).to(device)
-    return TrainingEngine(model, None, EngineConfig(device=device))
+    model = critic_from_policy(policy, seed=config.run.seed).to(engine_config.device)
+    return TrainingEngine(model, None, engine_config)
 
 
 def critic_values(critic: TrainingEngine, episodes: list[Episode]) -> list[torch.Tensor]:
