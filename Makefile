@@ -23,17 +23,17 @@ demo: $(STAMP)
 	$(PY) -m furlong demo
 
 test: $(STAMP)
-	$(PY) -m ruff check furlong tests benchmarks
+	$(PY) -m ruff check furlong tests benchmarks tools
 	$(PY) -m pytest -q
 
 # Everything but the tests marked slow (tests/conftest.py's SLOW list): the inner loop.
 test-fast: $(STAMP)
-	$(PY) -m ruff check furlong tests benchmarks
+	$(PY) -m ruff check furlong tests benchmarks tools
 	$(PY) -m pytest -q -m "not slow"
 
 lint: $(STAMP)
-	$(PY) -m ruff check furlong tests benchmarks
-	$(PY) -m ruff format --check furlong tests benchmarks
+	$(PY) -m ruff check furlong tests benchmarks tools
+	$(PY) -m ruff format --check furlong tests benchmarks tools
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict

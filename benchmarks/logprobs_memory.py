@@ -5,7 +5,8 @@ Measures ``lp.sum().backward()`` (gradients w.r.t. the hidden states and the hea
 variants:
 
 * ``naive``: full ``[T, V]`` logits, ``log_softmax(logits / temperature)``, gather.
-* ``chunked-logits``: full logits from the head, then ``token_logprobs`` (chunks + recompute).
+* ``chunked-logits``: full logits from the head, then ``token_logprobs`` (chunks + recompute;
+  ``tests/train/logprob_reference.py``).
 * ``fused-head``: ``head_logprobs`` (the head is applied per chunk; logits never exist whole).
 
 Each measurement runs in a fresh subprocess (the script re-invokes itself with ``--worker``):
@@ -34,7 +35,8 @@ from torch import nn
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-from furlong.train.logprobs import head_logprobs, token_logprobs  # noqa: E402
+from furlong.train.logprobs import head_logprobs  # noqa: E402
+from tests.train.logprob_reference import token_logprobs  # noqa: E402
 
 VARIANTS = ("naive", "chunked-logits", "fused-head")
 MEMORY_TARGET = 0.15  # fused-head extra peak / naive extra peak

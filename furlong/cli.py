@@ -26,7 +26,7 @@ def train_config(
     ``first``), then the scale-out flags (as ``scale.*`` overrides, so they are validated like
     the rest)."""
     from furlong.rl.config import load_config
-    from furlong.rl.scale_out import ScaleOut
+    from furlong.rl.scale import ScaleOut
 
     config, overrides = args.config, [*first, *args.overrides]
     if config is not None and "=" in config and not config.endswith(".toml"):
@@ -123,6 +123,7 @@ def _session_server(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         seed=args.seed,
         routing_replay=not args.no_routing_replay,
+        engine=args.engine,
     )
     return 0
 
@@ -148,6 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
         trainer_ranks=args.trainer_ranks,
         optimizer_state_dir=args.optimizer_state_dir,
         jwt_auth=args.jwt_auth,
+        rollout_engine=args.rollout_engine,
         **{name: getattr(args, name) for name in BOUNDS if getattr(args, name) is not None},
     )
     return 0
@@ -255,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sessions.add_argument("--no-routing-replay", action="store_true", help="MoE: no R3 rows")
     sessions.add_argument("--max-running", type=int, default=32, help="batch slots")
+    sessions.add_argument(
+        "--engine", default="embedded", help="rollout engine kind (furlong.rollout.registry)"
+    )
     sessions.add_argument("--seed", type=int, default=0, help="weights seed for a preset")
     _control_flags(sessions, "sessions, records, samples, weights", "POST /weights")
     sessions.set_defaults(func=_session_server)
@@ -306,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="clients exchange their key for a short-lived JWT (auth/token), as the tinker SDK "
         "does when the server asks; RestClient.whoami() needs it",
+    )
+    serve.add_argument(
+        "--rollout-engine",
+        default="embedded",
+        help="the samplers' engine kind (furlong.rollout.registry; default: embedded)",
     )
     for name, (kind, text) in BOUNDS.items():  # unset: ServiceConfig's default
         serve.add_argument("--" + name.replace("_", "-"), type=kind, help=text)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from furlong.atomic import atomic_write_text, replacing
 from furlong.errors import InputError
 
 EVENTS_GLOB = "events.out.tfevents.*"
@@ -168,7 +169,7 @@ class MetricsLog:
         if "/" in self.prefix or self.prefix in (".", ".."):
             raise ValueError(f"prefix must be a plain name, got {self.prefix!r}")
         kept = _kept_lines(self.path, resume_from_step) if resume_from_step is not None else []
-        _write_atomic(self.path, "".join(line + "\n" for line in kept))
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         self.tracker = tracker
         self._tb = tracker.open_tensorboard(self.prefix) if tracker else None
         if tracker:
@@ -217,12 +218,6 @@ def _kept_lines(path: Path, last_step: int) -> list[str]:
     return kept
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def read_metrics(path: str | os.PathLike) -> list[dict[str, float]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
@@ -255,10 +250,11 @@ def plot_metrics(
         _panel(ax, name, xlabel, ylabel, points)
     fig.tight_layout()
     out = Path(png)
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(out)
+    try:
+        with replacing(out) as tmp:
+            fig.savefig(tmp, dpi=100, format=out.suffix[1:] or "png")
+    finally:
+        plt.close(fig)
     return out
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from furlong.metrics import read_metrics
-from furlong.rl import health
 from furlong.rl.config import load_config
+from tools import healthy_runs as health
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted(p for p in (ROOT / "docs" / "recipes").glob("*.md") if p.name != "index.md")
@@ -25,7 +25,7 @@ def test_healthy_run_tables_come_from_recorded_runs(page: Path) -> None:
     blocks = list(health.MARKER.finditer(text))
     assert blocks, f"{page.name}: no healthy-run table"
     assert health.render(text) == text, (
-        f"{page.name} differs from its recorded run: python -m furlong.rl.health {page}"
+        f"{page.name} differs from its recorded run: python -m tools.healthy_runs {page}"
     )
     for block in blocks:
         run = ROOT / block["run"]

@@ -21,6 +21,7 @@ from transformers.utils import logging as hf_logging
 from furlong.errors import InputError
 from furlong.models.loading import resolve
 from furlong.models.presets import PRESETS, build_preset
+from furlong.shapes import check_names_and_shapes
 
 HEAD_STD = 0.02
 
@@ -147,7 +148,8 @@ def load_hf_trunk(critic: ValueModel, spec: str | os.PathLike) -> None:
     with hidden_head(critic):
         source = load_trunk(spec, dtype=dtype).state_dict()
         tensors = {f"trunk.{k}": v for k, v in source.items()}
-        _check_shapes(critic.state_dict(), tensors)  # all of it before the first copy
+        # all of it before the first copy
+        check_names_and_shapes(tensors, critic.state_dict(), "critic: trunk", theirs="the critic's")
         critic.load_state_dict(tensors, strict=True)
 
 
@@ -158,18 +160,6 @@ def _trunk_of(model: torch.nn.Module) -> torch.nn.Module:
     if head is not None and any(m is head for m in trunk.modules()):
         raise InputError(f"critic: {type(model).__name__} has no trunk separable from its LM head")
     return trunk
-
-
-def _check_shapes(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
-    if set(expected) != set(tensors):
-        missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-        raise InputError(f"critic: trunk mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
-    for name, t in tensors.items():
-        if t.shape != expected[name].shape:
-            raise InputError(
-                f"critic: {name} has shape {tuple(t.shape)} in the source, "
-                f"{tuple(expected[name].shape)} in the critic"
-            )
 
 
 def _check_untied(critic: ValueModel) -> None:

@@ -9,13 +9,13 @@ import os
 import re
 import shutil
 import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from furlong.atomic import fsync_path, fsync_tree, temp_sibling
 from furlong.errors import InputError
 from furlong.models.presets import PRESETS, build_preset
 from furlong.models.pretrained import PRETRAINED, model_names, pretrained_dir
@@ -82,7 +82,7 @@ def atomic_dir(out: str | os.PathLike) -> tuple[Path, Path]:
     """``(tmp, final)``: write into ``tmp``, then ``publish_dir(tmp, final)``."""
     final = Path(out)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _sibling(final, "tmp")
+    tmp = temp_sibling(final, "tmp")
     tmp.mkdir()
     return tmp, final
 
@@ -93,11 +93,11 @@ def publish_dir(tmp: Path, final: Path) -> None:
 
     Overwrite swaps the two with one ``renameat2(RENAME_EXCHANGE)``; where the kernel, libc or
     filesystem lacks it, two renames with the old copy parked at ``.<name>.old-*``."""
-    _fsync_tree(tmp)  # the contents reach the disk before any name points at them
+    fsync_tree(tmp)  # the contents reach the disk before any name points at them
     if _rename_new(tmp, final):
         return
     if _exchange(tmp, final):
-        _fsync(final.parent)
+        fsync_path(final.parent)
         shutil.rmtree(tmp, ignore_errors=True)  # the old copy, now at the temp name
     else:
         _replace_in_two_steps(tmp, final)
@@ -106,9 +106,9 @@ def publish_dir(tmp: Path, final: Path) -> None:
 def remove_dir(final: Path) -> None:
     """Delete a published directory: renamed to a temp name first, so a crash mid-delete never
     leaves a half-deleted copy under its real name (``recover_published`` purges the rest)."""
-    doomed = _sibling(final, "tmp")
+    doomed = temp_sibling(final, "tmp")
     final.rename(doomed)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     shutil.rmtree(doomed, ignore_errors=True)
 
 
@@ -131,10 +131,6 @@ def recover_published(root: str | os.PathLike) -> list[Path]:
     return restored
 
 
-def _sibling(final: Path, kind: str) -> Path:
-    return final.parent / f".{final.name}.{kind}-{uuid.uuid4().hex[:8]}"
-
-
 def _rename_new(tmp: Path, final: Path) -> bool:
     """First publish: a plain rename. False when ``final`` exists (also if it just appeared)."""
     if os.path.lexists(final):
@@ -145,19 +141,19 @@ def _rename_new(tmp: Path, final: Path) -> bool:
         if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
             return False
         raise
-    _fsync(final.parent)
+    fsync_path(final.parent)
     return True
 
 
 def _replace_in_two_steps(tmp: Path, final: Path) -> None:
     """Without RENAME_EXCHANGE: a crash between the renames leaves ``final`` missing and the
     acknowledged copy at ``.<name>.old-*``, where ``recover_published`` finds it."""
-    old = _sibling(final, "old")
+    old = temp_sibling(final, "old")
     final.rename(old)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     tmp.rename(final)
     old.rename(tmp)  # a partly deleted copy must never carry the name recovery restores
-    _fsync(final.parent)
+    fsync_path(final.parent)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -209,7 +205,7 @@ def _recover_siblings(parent: Path, leftovers: list[Path]) -> list[Path]:
             max(copies, key=lambda p: p.stat().st_ctime_ns).rename(final)
             restored.append(final)
     if restored:
-        _fsync(parent)
+        fsync_path(parent)
     for path in leftovers:
         if path.exists():
             shutil.rmtree(path, ignore_errors=True)
@@ -222,22 +218,6 @@ def _scandir(path: Path) -> list[os.DirEntry]:
             return list(entries)
     except (FileNotFoundError, NotADirectoryError):
         return []
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in root.rglob("*"):
-        if path.is_file() or path.is_dir():
-            _fsync(path)
-    _fsync(root)
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file, or a directory's entries (so a rename in it survives a power cut)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_hf_dir(model: PreTrainedModel, tokenizer: Any, out: str | os.PathLike) -> Path:

@@ -26,8 +26,8 @@ from furlong.rl import scale_out, warmup
 from furlong.rl.config import RLConfig
 from furlong.rl.critic import build_critic
 from furlong.rl.publish import publish_weights
-from furlong.rl.rollout_choice import build_rollout
-from furlong.rl.scale_out import ScaleOut
+from furlong.rl.rollout_choice import build_rollout, rollout_kind
+from furlong.rl.scale import ScaleOut
 from furlong.rl.tasks import Problem, Task, build_task
 from furlong.rollout.base import RolloutEngine
 from furlong.rollout.sampling import SamplingParams
@@ -91,14 +91,14 @@ def build_parts(config: RLConfig, scale: ScaleOut, saved: resume_mod.Checkpoint 
         engine = TrainingEngine(policy, tokenizer, engine_config)
         losses = warmup.supervised_warmup(engine, task, config.warmup, rng, config.run.progress)
     batch = ro.prompts_per_step * ro.group_size
-    adapter = None
-    if scale.enabled:  # trainer ranks (with Ray, the engines too) in other processes
-        actor, rollout = scale_out.build(scale, config, policy, tokenizer, batch, engine_config)
+    adapter, ray = None, None
+    if scale.enabled:  # trainer ranks (with Ray, the engines' placement too) in other processes
+        actor, ray = scale_out.build(scale, config, policy, tokenizer, batch, engine_config)
     else:
         actor = _actor(config, policy, tokenizer, engine_config)  # a fresh optimizer for RL
         adapter = actor.model if m.lora_rank else None
-        staging = ro.staging_dir or None
-        rollout = build_rollout(ro.engine, ro.urls, policy, tokenizer, batch, staging_dir=staging)
+    kind, staging = rollout_kind(ro.engine, scale), ro.staging_dir or None
+    rollout = build_rollout(kind, ro.urls, policy, tokenizer, batch, staging_dir=staging, ray=ray)
     reference = _reference(config, policy, engine_config)
     critic = build_critic(config, policy, engine_config)
     if saved is not None:  # the copies above started from the model as loaded

@@ -4,8 +4,9 @@
 
 Each ``[table]`` of the TOML file fills one group; ``group.field=value`` overrides parse the
 value as a TOML literal (so ``4``, ``1e-3``, ``true`` and ``["kv_cache"]`` all work; bare words
-are strings). :meth:`RLConfig.validate` rejects incompatible combinations and says what to
-change.
+are strings), and ``group.table.key=value`` sets one key of a table field
+(``algo.objective_config.beta=0.1``). :meth:`RLConfig.validate` rejects incompatible
+combinations and says what to change.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from furlong.errors import InputError
 from furlong.rl.rollout_choice import check_choice
-from furlong.rl.scale_out import ScaleOut
+from furlong.rl.scale import ScaleOut
 from furlong.rl.tasks import check_task
 from furlong.train.objectives import OBJECTIVES
 from furlong.train.optim import OptimizerConfig
@@ -34,9 +35,15 @@ if TYPE_CHECKING:
     from furlong.rl.handoff import HandoffConfig
 
 
-# the actor's objectives: the registry's that learn from advantages, and those that clip
+# the actor's objectives: the registry's that learn from advantages
 ACTOR_OBJECTIVES = tuple(n for n, o in OBJECTIVES.items() if "advantages" in o.inputs)
-CLIPPING = tuple(n for n in ACTOR_OBJECTIVES if "clip_low_threshold" in OBJECTIVES[n].defaults)
+# [algo] fields older than algo.objective_config, each one loss_fn_config key by a short name
+KNOBS = {"clip_low": "clip_low_threshold", "clip_high": "clip_high_threshold", "dro_beta": "beta"}
+
+
+def objectives_taking(key: str) -> tuple[str, ...]:
+    """The actor objectives whose loss_fn_config has ``key``."""
+    return tuple(n for n in ACTOR_OBJECTIVES if key in OBJECTIVES[n].defaults)
 
 
 @dataclass(frozen=True)
@@ -100,10 +107,13 @@ class AlgoConfig:
     """Advantages, the actor objective and its optimizer."""
 
     advantage: str = "grpo"  # grpo | gae (PPO with the critic) | reinforce_pp
-    objective: str = "importance_sampling"  # importance_sampling | ppo | cispo | dro | gspo
-    clip_low: float | None = None  # lower ratio bound: ppo, cispo, gspo (None: the default)
-    clip_high: float | None = None  # upper ratio bound: ppo, cispo, gspo
-    dro_beta: float | None = None  # dro's quadratic penalty (None: the objective default)
+    # a furlong.train.objectives loss that takes advantages: importance_sampling, ppo, ...
+    objective: str = "importance_sampling"
+    # the objective's loss_fn_config, e.g. {beta = 0.1}; keys and defaults: train/objectives.py
+    objective_config: dict[str, float] = field(default_factory=dict)
+    clip_low: float | None = None  # short for objective_config's clip_low_threshold
+    clip_high: float | None = None  # short for objective_config's clip_high_threshold
+    dro_beta: float | None = None  # short for objective_config's beta (dro's penalty)
     normalize: str = "token"  # token: / response tokens in the batch; sequence: / (len * seqs)
     scale_by_std: bool = True  # GRPO: divide by the group's std
     gamma: float = 1.0  # discount (gae, reinforce_pp)
@@ -173,10 +183,10 @@ class RLConfig:
 
     @property
     def loss_fn_config(self) -> dict[str, float]:
-        a = self.algo
-        pairs = {"clip_low_threshold": a.clip_low, "clip_high_threshold": a.clip_high}
-        pairs["beta"] = a.dro_beta
-        return {k: v for k, v in pairs.items() if v is not None}
+        """What the actor step sends: ``algo.objective_config`` and the short-named knobs set
+        (the objective's defaults fill the rest)."""
+        knobs = {key: getattr(self.algo, knob) for knob, key in KNOBS.items()}
+        return dict(self.algo.objective_config) | {k: v for k, v in knobs.items() if v is not None}
 
     def validate(self) -> RLConfig:
         """Reject incompatible settings with a message that says what to change."""
@@ -223,13 +233,7 @@ class RLConfig:
                 f"algo.minibatches: {a.minibatches} does not divide the batch of {batch} "
                 "samples (rollout.prompts_per_step * rollout.group_size)"
             )
-        if (a.clip_low is not None or a.clip_high is not None) and a.objective not in CLIPPING:
-            raise InputError(
-                f"algo.clip_low/clip_high: only {', '.join(CLIPPING)} clip; algo.objective is "
-                f"{a.objective!r}"
-            )
-        if a.dro_beta is not None and a.objective != "dro":
-            raise InputError("algo.dro_beta: only for algo.objective = 'dro'")
+        self._check_objective_config()
         if not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1:
             raise InputError("algo.gamma and algo.lam: must be in [0, 1]")
         if a.kl_coef < 0:
@@ -245,6 +249,25 @@ class RLConfig:
             raise InputError(f"colocate.{exc}") from None
         self.scale.check(self.colocate.enabled)
         return self
+
+    def _check_objective_config(self) -> None:
+        a = self.algo
+        takes = OBJECTIVES[a.objective].defaults
+        for knob, key in KNOBS.items():
+            if getattr(a, knob) is None:
+                continue
+            if key in a.objective_config:
+                raise InputError(f"algo.{knob}: also set as algo.objective_config.{key}")
+            if key in takes:
+                continue
+            if key.startswith("clip_"):  # the pair's message, as before objective_config
+                raise InputError(
+                    f"algo.clip_low/clip_high: only {', '.join(objectives_taking(key))} clip; "
+                    f"algo.objective is {a.objective!r}"
+                )
+            alternatives = " or ".join(repr(n) for n in objectives_taking(key))
+            raise InputError(f"algo.{knob}: only for algo.objective = {alternatives}")
+        OBJECTIVES[a.objective].resolve_config(self.loss_fn_config, "algo.objective_config")
 
     def _check_lora(self) -> None:
         m = self.model
@@ -291,21 +314,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RL
         group, dot, name = key.strip().partition(".")
         if not sep or not dot or not name:
             raise InputError(f"overrides[{i}]: {item!r} is not group.field=value")
-        raw.setdefault(group, {})[name] = _literal(value.strip())
+        table, dot, entry = name.partition(".")  # group.table.entry=value: one key of a table
+        if not dot:
+            raw.setdefault(group, {})[name] = _literal(value.strip())
+            continue
+        inner = raw.setdefault(group, {}).setdefault(table, {})
+        if not isinstance(inner, dict):
+            raise InputError(f"overrides[{i}]: {group}.{table} is not a table")
+        inner[entry] = _literal(value.strip())
     return from_dict(raw).validate()
 
 
 def to_toml(config: RLConfig) -> str:
     """The whole config as TOML that :func:`load_config` reads back to an equal config (every
-    value is a str, number, bool or list of str, whose JSON spelling is valid TOML; None
-    fields are left out, None being their default)."""
+    value is a str, number, bool or list of str, whose JSON spelling is valid TOML, or a table
+    of numbers; None fields are left out, None being their default)."""
     lines: list[str] = []
     for group in dataclasses.fields(config):
         lines.append(f"[{group.name}]")
         values = dataclasses.asdict(getattr(config, group.name))
-        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items() if v is not None]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
         lines.append("")
     return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):  # an inline table: {"key" = value, ...}
+        return "{" + ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
 
 
 def _literal(text: str) -> Any:
@@ -357,8 +393,12 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             and all(isinstance(v, str) for v in value)  # list[str]: the only list field
         ):
             return list(value)
+        if typing.get_origin(option) is dict and isinstance(value, dict):  # dict[str, float]
+            return {k: _coerce(v, float, f"{where}.{k}") for k, v in value.items()}
     raise InputError(f"{where}: expected {_describe(hint)}, got {value!r}")
 
 
 def _describe(hint: Any) -> str:
+    if typing.get_origin(hint) in (list, dict):
+        return str(hint)  # list[str], dict[str, float]
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")

@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from furlong import host_memory
+from furlong.atomic import atomic_write_text
 from furlong.errors import InputError
 from furlong.metrics import MetricsLog, Tracker, WandbSettings, plot_metrics, read_metrics
 from furlong.rl import advantages as adv
@@ -33,7 +34,7 @@ from furlong.rl.config import RLConfig, RunConfig, to_toml
 from furlong.rl.critic import critic_values, train_critic
 from furlong.rl.episodes import Episode, generate_episodes
 from furlong.rl.publish import publish_weights
-from furlong.rl.scale_out import ScaleOut
+from furlong.rl.scale import ScaleOut
 from furlong.rl.signal_watch import SignalWatch
 from furlong.train.api import Trainer
 from furlong.train.engine import TrainingEngine
@@ -132,7 +133,7 @@ def _open_run(
         wandb=WandbSettings(enabled=run.wandb, project=run.wandb_project),
     )
     log, rows = _metrics_log(out, saved, tracker)  # before anything is written: may refuse
-    _write_atomic(out / "config.toml", to_toml(config))
+    atomic_write_text(out / "config.toml", to_toml(config))
     return out, tracker, log, rows
 
 
@@ -193,12 +194,6 @@ def _log_warmup(out: Path, tracker: Tracker, losses: list[float]) -> None:
     warm_log = MetricsLog(out / "warmup.jsonl", tracker=tracker)
     for i, loss in enumerate(losses, 1):
         warm_log.write(i, {"loss": loss})
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _steps(run: RunConfig, first: int) -> tqdm:

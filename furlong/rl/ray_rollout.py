@@ -26,6 +26,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from furlong.errors import InputError
 from furlong.models.loading import load_model
 from furlong.rollout.base import (
     GenerateResult,
@@ -39,6 +40,7 @@ from furlong.rollout.base import (
 )
 from furlong.rollout.codec import decode_results, encode_results, opt_in, payload_fields
 from furlong.rollout.engine import EmbeddedEngine
+from furlong.rollout.registry import EngineRequest
 from furlong.rollout.sampling import SamplingParams
 
 CALLS = frozenset(
@@ -155,6 +157,20 @@ class RayRollout:
         self._weights, self._version = ref, version
         self._all("update_weights", ref, version)
         return version
+
+    @classmethod
+    def from_request(cls, request: EngineRequest) -> RayRollout:
+        """The registry's ``ray`` kind: engine actors placed by ``scale_out.build``, whose
+        options (``engine``, ``strategies``, ``resources``) the request carries. Each actor
+        loads the policy's weights source itself (``request.model`` is not sent)."""
+        options = request.options
+        if "engine" not in options:
+            raise InputError(
+                'rollout.engine: "ray" runs the engines as Ray actors placed by [scale]: set '
+                'scale.ray = "local" (or a cluster address) and scale.rollout_engines'
+            )
+        engines = start_engines(options["engine"], options["strategies"], options["resources"])
+        return cls(engines)
 
     def check_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Against the served names and shapes (every engine serves the same model: asked of

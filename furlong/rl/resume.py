@@ -40,11 +40,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from furlong.atomic import atomic_write_text
 from furlong.errors import InputError
 from furlong.models.loading import atomic_dir, publish_dir, recover_published, save_hf_dir
 from furlong.rl import critic as critic_mod
 from furlong.rl.config import RLConfig, load_config, to_toml
-from furlong.rl.scale_out import ScaleOut
+from furlong.rl.scale import ScaleOut
 from furlong.train import checkpoint as ckpt
 from furlong.train.api import Trainer
 
@@ -147,7 +148,7 @@ def commit(pending: Pending, config: RLConfig, step: int, rng: random.Random) ->
         shutil.rmtree(pending.tmp, ignore_errors=True)
         raise
     publish_dir(pending.tmp, pending.final)
-    _write_durable(pending.final.parent / LATEST, pending.final.name)
+    atomic_write_text(pending.final.parent / LATEST, pending.final.name)
     return pending.final
 
 
@@ -161,20 +162,6 @@ def _torch_rng(device: str) -> dict[str, torch.Tensor]:
     if device.startswith("cuda"):
         states |= {f"cuda:{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
     return states
-
-
-def _write_durable(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------- resuming

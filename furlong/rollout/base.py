@@ -1,6 +1,10 @@
-"""The rollout engine interface: what the RL loop, the session server and the HTTP front end
-need from an engine, whether it runs in process (:class:`EmbeddedEngine`) or behind SGLang's
-HTTP protocol (:class:`SGLangClient`, one server or several)."""
+"""What the front doors need from a rollout engine, as small protocols: ``Generation``,
+``WeightUpdates``, ``Pausing`` (with the colocation hand-off's memory calls) and ``Requests``;
+and the three combinations the front doors ask the registry (``furlong.rollout.registry``)
+for: the RL loop's :class:`RolloutEngine`, the session server's :class:`SessionEngine` and the
+Tinker service's :class:`SamplingEngine`. The engine runs in process
+(:class:`~furlong.rollout.engine.EmbeddedEngine`), behind SGLang's HTTP protocol
+(:class:`~furlong.rollout.sglang_client.SGLangClient`), or as Ray actors."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 from urllib.parse import urlsplit
 
 import torch
@@ -58,23 +62,9 @@ class Router(Protocol):
     def is_moe(self) -> bool: ...
 
 
-class RolloutEngine(Protocol):
-    """Generation with sampling log-probs, weight publication, pausing and memory hand-off.
-
-    The RL loop uses ``generate`` and the weight / pause / memory calls; the session server
-    also uses ``submit`` (one request at a time, its own request id, so a closed session can
-    abort its turn), ``tokenizer``, ``router`` and ``context_length``."""
-
-    @property
-    def tokenizer(self) -> Any: ...
-
-    @property
-    def router(self) -> Router: ...
-
-    @property
-    def context_length(self) -> int | None:
-        """Prompt + ``max_tokens`` must fit in this many tokens (None: not known here)."""
-        ...
+@runtime_checkable
+class Generation(Protocol):
+    """Batches of prompts to results: the RL loop's sampling and evaluation."""
 
     @property
     def weight_version(self) -> int: ...
@@ -83,37 +73,6 @@ class RolloutEngine(Protocol):
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[GenerateResult]:
         """Results in request order; blocks until every request has finished."""
-        ...
-
-    def submit(
-        self, prompt: Sequence[int], params: SamplingParams, request_id: str | None = None
-    ) -> Future[GenerateResult]:
-        """Queue one request; a bad request raises here, before anything is queued."""
-        ...
-
-    def update_weights(self, weights: Weights, version: int | None = None) -> int:
-        """Publish new weights; returns the new weight version."""
-        ...
-
-    def check_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Raise ``InputError`` for weights that ``update_weights`` would refuse, changing
-        nothing (a publisher checks before it pauses generation)."""
-        ...
-
-    def abort(self, request_ids: Iterable[int | str] | None = None) -> int: ...
-
-    def pause(self, mode: PauseMode = "retract") -> None: ...
-
-    def resume(self) -> None: ...
-
-    def offload(self, tags: Iterable[MemoryTag]) -> None: ...
-
-    def onload(self, tags: Iterable[MemoryTag]) -> None: ...
-
-    def memory_bytes(self) -> MemoryBytes:
-        """What the engine holds now, for the colocation ledger: live ``weights`` and
-        ``kv_cache`` bytes and the ``mirror`` (offloaded weights in host memory); a remote
-        engine that cannot see its server's memory reports zeros."""
         ...
 
     def metrics(self) -> dict[str, float]:
@@ -126,19 +85,118 @@ class RolloutEngine(Protocol):
         ...
 
 
+@runtime_checkable
+class WeightUpdates(Protocol):
+    """Weight publication: checked whole first, then copied; the version moves."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def check_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Raise ``InputError`` for weights that ``update_weights`` would refuse, changing
+        nothing (a publisher checks before it pauses generation)."""
+        ...
+
+    def update_weights(self, weights: Weights, version: int | None = None) -> int:
+        """Publish new weights; returns the new weight version."""
+        ...
+
+
+@runtime_checkable
+class Pausing(Protocol):
+    """What requests in flight do around a publication (the pause modes), and the memory
+    calls of the colocated train/rollout hand-off."""
+
+    def pause(self, mode: PauseMode = "retract") -> None: ...
+
+    def resume(self) -> None: ...
+
+    def abort(self, request_ids: Iterable[int | str] | None = None) -> int: ...
+
+    def offload(self, tags: Iterable[MemoryTag]) -> None: ...
+
+    def onload(self, tags: Iterable[MemoryTag]) -> None: ...
+
+    def memory_bytes(self) -> MemoryBytes:
+        """What the engine holds now, for the colocation ledger: live ``weights`` and
+        ``kv_cache`` bytes and the ``mirror`` (offloaded weights in host memory); a remote
+        engine that cannot see its server's memory reports zeros."""
+        ...
+
+
+@runtime_checkable
+class Requests(Protocol):
+    """One request at a time under the caller's id, so that it can be aborted alone; and
+    what a front end must know to render and check prompts."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def router(self) -> Router: ...
+
+    @property
+    def context_length(self) -> int | None:
+        """Prompt + ``max_tokens`` must fit in this many tokens (None: not known here)."""
+        ...
+
+    def submit(
+        self, prompt: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> Future[GenerateResult]:
+        """Queue one request; a bad request raises here, before anything is queued."""
+        ...
+
+    def abort(self, request_ids: Iterable[int | str] | None = None) -> int: ...
+
+
+@runtime_checkable
+class RolloutEngine(Generation, WeightUpdates, Pausing, Protocol):
+    """The RL loop's engine: generation, publication, and the pause / memory calls."""
+
+
+@runtime_checkable
+class SessionEngine(Requests, WeightUpdates, Pausing, Protocol):
+    """The session server's engine: one turn per request, publication under a pause mode."""
+
+
+@runtime_checkable
+class SamplingEngine(Requests, Protocol):
+    """The Tinker service's sampler engine, fed by its fair per-tenant queue."""
+
+    @property
+    def max_running(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def check_requests(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+    ) -> None:
+        """Validate requests as ``submit`` would, queueing nothing."""
+        ...
+
+
+def protocol_members(protocol: type) -> list[str]:
+    """The public members a protocol asks for, its bases' included."""
+    names = {
+        name
+        for cls in protocol.__mro__
+        if getattr(cls, "_is_protocol", False) and cls is not Protocol
+        for name in vars(cls)
+        if not name.startswith("_")
+    }
+    return sorted(names)
+
+
 def check_weight_shapes(
     weights: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence[int]]
 ) -> None:
     """Every tensor names a parameter in ``shapes`` and has its shape, or an InputError."""
-    unknown = sorted(set(weights) - set(shapes))
-    if unknown:
-        raise InputError(f"update_weights: unknown tensors {unknown[:4]}")
-    for name, tensor in weights.items():
-        if tuple(tensor.shape) != tuple(shapes[name]):
-            raise InputError(
-                f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                f"the engine's is {tuple(shapes[name])}"
-            )
+    from furlong.shapes import check_names_and_shapes
+
+    check_names_and_shapes(weights, shapes, "update_weights", theirs="the engine's", subset=True)
 
 
 def no_memory() -> MemoryBytes:

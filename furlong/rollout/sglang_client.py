@@ -15,6 +15,7 @@ shared with the servers; works with SGLang) or, without one, sent in buckets of
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import threading
@@ -25,9 +26,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import torch
 from safetensors.torch import save, save_file
 
 from furlong.errors import InputError
+from furlong.models.moe import find_routers
 from furlong.rollout import sglang_wire as wire
 from furlong.rollout.base import (
     GenerateResult,
@@ -42,7 +45,8 @@ from furlong.rollout.base import (
     expand_params,
     no_memory,
 )
-from furlong.rollout.control import Unauthorized
+from furlong.rollout.control import ADMIN_TOKEN_ENV, Unauthorized
+from furlong.rollout.registry import EngineRequest
 from furlong.rollout.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -61,6 +65,10 @@ class RemoteRouter:
 
 
 class SGLangClient:
+    # the served model's, given by the caller (the HTTP protocol does not carry them)
+    tokenizer: Any
+    context_length: int | None
+
     def __init__(
         self,
         urls: str | Sequence[str],
@@ -101,6 +109,69 @@ class SGLangClient:
         self._in_flight = [0] * len(self.urls)
         self._turn = 0  # the next server to win a tie
         self._placed: dict[str, int] = {}  # request id -> its server, while in flight
+
+    @classmethod
+    def from_request(cls, request: EngineRequest) -> SGLangClient:
+        """The registry's ``sglang`` kind: one client over the servers at
+        ``request.options["urls"]``, each checked to serve a model ``request.model``'s weights fit,
+        then sent those weights as version 0 (the servers may hold others). Options:
+        ``urls``, ``staging_dir`` (a directory the servers read published weights from;
+        required by real SGLang), ``timeout``. The admin token is ``$FURLONG_ADMIN_TOKEN``."""
+        options, policy = request.options, request.model
+        urls = [check_url(u, f"rollout.urls[{i}]") for i, u in enumerate(options.get("urls", ()))]
+        if not urls:
+            raise InputError('rollout.urls: rollout.engine = "sglang" needs at least one URL')
+        staging_dir = options.get("staging_dir") or None
+        client = cls(
+            urls,
+            tokenizer=request.tokenizer,
+            context_length=getattr(policy.config, "max_position_embeddings", None),
+            routed_experts_shape=routed_experts_shape(policy),
+            staging_dir=staging_dir,
+            timeout=float(options.get("timeout", 600.0)),
+            admin_token=os.environ.get(ADMIN_TOKEN_ENV, "").strip() or None,
+            max_concurrency=max(1, math.ceil(request.max_running / len(urls))),
+        )
+        try:
+            for i in range(len(urls)):
+                client._check_serves(i, policy, staging_dir)
+            weights = {name: p.detach() for name, p in policy.named_parameters()}
+            client.update_weights(weights, version=0)
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    def _check_serves(
+        self, i: int, policy: torch.nn.Module, staging_dir: str | os.PathLike | None
+    ) -> None:
+        """Server ``i`` answers and serves a model the policy's weights fit, as far as it says."""
+        field, url = f"rollout.urls[{i}]", self.urls[i]
+        try:
+            info = self.model_info(i)
+        except (httpx.HTTPError, ValueError) as e:
+            raise InputError(f"{field}: {url} does not answer /get_model_info ({e})") from e
+        ours = info.get("furlong") if isinstance(info, dict) else None
+        if ours is None:  # real SGLang: says nothing to compare, and loads weights from disk only
+            if not staging_dir:
+                raise InputError(
+                    f"rollout.staging_dir: {url} is an SGLang server, which loads published "
+                    "weights from disk; give a directory it can read"
+                )
+            return
+        vocab = int(policy.get_output_embeddings().out_features)
+        if ours.get("vocab_size") != vocab:
+            raise InputError(
+                f"{field}: {url} serves a vocabulary of {ours.get('vocab_size')} ids, "
+                f"the policy has {vocab}"
+            )
+        shape = ours.get("routed_experts_shape")
+        theirs, policy_shape = (tuple(shape) if shape else None), routed_experts_shape(policy)
+        if theirs != policy_shape:
+            raise InputError(
+                f"{field}: {url} serves routed experts of shape {theirs}, the policy's are "
+                f"{policy_shape} (a different model)"
+            )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -377,3 +448,11 @@ def _message(response: httpx.Response) -> str:
         if "message" in body:
             return str(body["message"])
     return response.text
+
+
+def routed_experts_shape(policy: torch.nn.Module) -> tuple[int, int] | None:
+    """(router layers, top_k) of an MoE policy's routed-expert rows; None when dense."""
+    routers = find_routers(policy)
+    if not routers:
+        return None
+    return len(routers), int(policy.config.num_experts_per_tok)

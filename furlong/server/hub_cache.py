@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
 
+from furlong.atomic import atomic_write_text, fsync_path
 from furlong.errors import InputError
 from furlong.models.loading import load_tokenizer, resolve
 from furlong.models.presets import PRESETS
@@ -54,14 +54,6 @@ def _config_json(source: str, tokenizer: object) -> dict:
         raise InputError(f"hub cache: config of {source!r} cannot be loaded ({exc})") from None
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_hub_cache(hf_home: Path, name: str, source: str) -> Path:
     """Write ``source``'s tokenizer and config as hub model ``name`` under ``hf_home``.
 
@@ -86,7 +78,7 @@ def write_hub_cache(hf_home: Path, name: str, source: str) -> Path:
         digest = hashlib.sha1()
         for f in sorted(tmp.iterdir()):
             digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-            _fsync(f)
+            fsync_path(f)
         rev = digest.hexdigest()  # 40 hex digits, like a commit hash
         final = snapshots / rev
         if final.is_dir():
@@ -102,8 +94,5 @@ def write_hub_cache(hf_home: Path, name: str, source: str) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-    ref_tmp = repo / "refs" / f".main.tmp-{os.getpid()}-{rev[:8]}"
-    ref_tmp.write_text(rev)  # no newline: huggingface_hub reads the file verbatim
-    os.replace(ref_tmp, repo / "refs" / "main")
-    _fsync(repo / "refs")
+    atomic_write_text(repo / "refs" / "main", rev)  # no newline: huggingface_hub reads it verbatim
     return final

@@ -9,7 +9,8 @@ from typing import Any
 from furlong.errors import InputError
 from furlong.models.loading import resolve
 from furlong.server.app import create_app
-from furlong.server.service import Service, ServiceConfig
+from furlong.server.config import ServiceConfig
+from furlong.server.service import Service
 
 
 def parse_base_models(specs: list[str]) -> dict[str, str]:
@@ -51,6 +52,7 @@ def serve(
     trainer_ranks: int = 1,
     optimizer_state_dir: str | None = None,
     jwt_auth: bool = False,
+    rollout_engine: str = "embedded",
     **bounds: Any,
 ) -> None:
     """``bounds``: ServiceConfig's memory bounds by name (cli.BOUNDS)."""
@@ -70,6 +72,7 @@ def serve(
         trainer_ranks=trainer_ranks,
         optimizer_state_dir=optimizer_state_dir,
         jwt_auth=jwt_auth,
+        rollout_engine=rollout_engine,
         **bounds,
     )
     for source in config.base_models.values():

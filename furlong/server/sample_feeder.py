@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from furlong.rollout.engine import EmbeddedEngine
+from furlong.rollout.base import SamplingEngine
 from furlong.rollout.sampling import SamplingParams
 from furlong.server.round_robin import RoundRobin
 
@@ -29,7 +29,7 @@ class _Item:
 
 
 class FairFeeder:
-    def __init__(self, engine: EmbeddedEngine, window: int | None = None, reserved: int = 1):
+    def __init__(self, engine: SamplingEngine, window: int | None = None, reserved: int = 1):
         self.engine = engine
         self.window = window or engine.max_running
         self.per_tenant = max(1, self.window - reserved)  # slots one tenant may hold

@@ -21,12 +21,13 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tinker import types as tt
 
 from furlong.errors import InputError
-from furlong.rollout.engine import EmbeddedEngine
+from furlong.rollout.base import SamplingEngine
+from furlong.rollout.registry import EngineRequest, build_engine
 from furlong.server.compute_lane import ComputeLane
 from furlong.server.futures import Failure, FutureStore
 from furlong.server.models import ModelPool, sampling_model, snapshot_bytes
@@ -36,8 +37,17 @@ from furlong.server.sessions import NotFound, Sessions
 from furlong.server.snapshot_cache import SnapshotCache
 from furlong.server.state import CheckpointRef, StateDir
 
-if TYPE_CHECKING:
-    from furlong.server.service import ServiceConfig
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """What sampling reads of the service's settings (ServiceConfig, config.py)."""
+
+    caps: SampleCaps  # what one sample request may ask for
+    sampler_slots: int  # sequences one engine decodes at once
+    snapshot_engines: int  # snapshot engines kept loaded (LRU) ...
+    sampler_memory_mb: int  # ... within this many MB of snapshot weights
+    sampler_idle_s: float  # a snapshot engine unused this long is released (0: never)
+    engine: str = "embedded"  # the engines' kind (furlong.rollout.registry)
 
 
 @dataclass(frozen=True)
@@ -52,7 +62,7 @@ class _Sampler:
 class Sampling:
     def __init__(
         self,
-        config: ServiceConfig,
+        config: SamplingConfig,
         pool: ModelPool,
         sessions: Sessions,
         state: StateDir,
@@ -61,9 +71,7 @@ class Sampling:
     ):
         self.config, self.pool, self.sessions = config, pool, sessions
         self.state, self.futures = state, futures
-        self.caps = SampleCaps(
-            config.max_samples, config.max_sample_tokens, config.max_top_logprobs
-        )
+        self.caps = config.caps
         self.snapshots = SnapshotCache(
             self._build,
             lambda path: snapshot_bytes(self.pool, path),
@@ -76,7 +84,7 @@ class Sampling:
         self._samplers: dict[str, _Sampler] = {}
         self._base_feeders: dict[str, FairFeeder] = {}
         # session-owned snapshots; sessions do not outlive the process, so neither do these
-        self.session_root = Path(config.state_dir) / "sessions"
+        self.session_root = state.root / "sessions"
         shutil.rmtree(self.session_root, ignore_errors=True)
 
     # ---------------------------------------------------------------- samplers
@@ -180,7 +188,8 @@ class Sampling:
         return self._feeder(*sampling_model(self.pool, path))
 
     def _feeder(self, model: Any, tokenizer: Any) -> FairFeeder:
-        return FairFeeder(EmbeddedEngine(model, tokenizer, max_running=self.config.sampler_slots))
+        request = EngineRequest(model, tokenizer, max_running=self.config.sampler_slots)
+        return FairFeeder(build_engine(self.config.engine, request, SamplingEngine))
 
     def _engine(self, owner: str, sampler_id: str | None, s: _Sampler) -> Future[FairFeeder]:
         if s.snapshot is None:

@@ -21,13 +21,13 @@ import json
 import logging
 import os
 import re
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from furlong.atomic import atomic_write_text
 from furlong.errors import InputError
 from furlong.models.loading import recover_published
 from furlong.server.sessions import NotFound
@@ -178,12 +178,7 @@ def dir_size(path: Path) -> int:
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
     """Temp file, fsync, rename: a reader sees the old file or the whole new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, indent=1))
 
 
 def iso_time(timestamp: float) -> str:

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tinker import types as tt
 
@@ -28,14 +28,21 @@ from furlong.server.sessions import NotFound, Sessions
 from furlong.server.state import StateDir
 from furlong.types import AdamParams
 
-if TYPE_CHECKING:
-    from furlong.server.service import ServiceConfig
-
 OPTIMIZERS = ("adamw", "muon")  # optimizer_config.type values this server trains with
 
 # An operation: validates the request (raising InputError or NotFound) and returns what runs,
 # in seq order, on the run's TrainingModel.
 Prepare = Callable[[], Callable[[TrainingModel], Any]]
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """What training runs read of the service's settings (ServiceConfig, config.py)."""
+
+    full_finetune: bool  # a model without lora_config trains its full weights (else refused)
+    max_models_per_key: int  # training models one API key may hold loaded (0: no limit)
+    gap_timeout: float  # seconds a run's log waits for a missing seq_id
+    max_seq_ahead: int  # a seq_id further ahead of the next one is refused
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,7 @@ class _TrainingRun:
 
 @dataclass
 class TrainingRuns:
-    config: ServiceConfig
+    config: TrainingConfig
     pool: ModelPool
     sessions: Sessions
     state: StateDir

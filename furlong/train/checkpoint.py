@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from furlong.errors import InputError
 from furlong.models.loading import atomic_dir, publish_dir
+from furlong.shapes import check_names_and_shapes
 from furlong.train import filemap
 from furlong.train.composite import CompositeOptimizer
 
@@ -168,18 +169,7 @@ def check_tensors(
     expected: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]
 ) -> None:
     """Same names and shapes as ``expected``."""
-    if set(expected) != set(tensors):
-        missing, extra = set(expected) - set(tensors), set(tensors) - set(expected)
-        raise InputError(
-            f"checkpoint does not match the model: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(extra)[:5]}"
-        )
-    for name, t in tensors.items():
-        if t.shape != expected[name].shape:
-            raise InputError(
-                f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, "
-                f"the model has {tuple(expected[name].shape)}"
-            )
+    check_names_and_shapes(tensors, expected, "checkpoint does not match the model")
 
 
 def safetensors_bytes(path: str | os.PathLike) -> int:

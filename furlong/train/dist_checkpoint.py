@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from furlong.errors import InputError
 from furlong.models.loading import atomic_dir, publish_dir, save_hf_dir
+from furlong.shapes import check_names_and_shapes
 
 FORMAT = "furlong-dcp-state-v1"
 META = "furlong_state.json"
@@ -164,7 +165,9 @@ def load_state(
         )
     saved = dcp.FileSystemReader(str(root)).read_metadata().state_dict_metadata
     weights = model.state_dict()
-    _check_shapes(saved, {f"model.{k}": v for k, v in weights.items()}, "model.")
+    sizes = {k: getattr(v, "size", ()) for k, v in saved.items()}  # only tensors have one
+    stored = {k.removeprefix("model."): s for k, s in sizes.items() if k.startswith("model.")}
+    check_names_and_shapes(stored, weights, "checkpoint does not match the model")
     targets: dict[str, Any] = {"model": weights}
     if optimizer:
         index = {n: i for i, n in enumerate(param_names)}
@@ -195,23 +198,6 @@ def load_state(
         for g in meta["param_groups"]
     ]
     return {"state": state, "param_groups": groups}, int(meta["step"])
-
-
-def _check_shapes(saved: Mapping[str, Any], expected: Mapping[str, torch.Tensor], prefix: str):
-    stored = {k for k in saved if k.startswith(prefix)}
-    if stored != set(expected):
-        missing, extra = set(expected) - stored, stored - set(expected)
-        raise InputError(
-            f"checkpoint does not match the model: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(extra)[:5]}"
-        )
-    for key, t in expected.items():
-        size = tuple(getattr(saved[key], "size", ()))
-        if size != tuple(t.shape):
-            raise InputError(
-                f"checkpoint tensor {key.removeprefix(prefix)!r} has shape {size}, "
-                f"the model has {tuple(t.shape)}"
-            )
 
 
 def export_hf(path: str | os.PathLike, model: torch.nn.Module, tokenizer: Any) -> Path:

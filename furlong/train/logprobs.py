@@ -1,13 +1,17 @@
-"""Target log-probs and entropy in chunks of rows, with a delayed FP32 upcast.
+"""Target log-probs and entropy from hidden states, in chunks of rows, with a delayed FP32
+upcast: ``head_logprobs``, the one log-prob path of the trainer.
 
-This is the one log-prob path of the project. Logits stay in model precision; each chunk of
-rows is *copied* to fp32 (never aliased, so in-place kernels cannot touch the model output),
-divided by the temperature in fp32, then log-softmaxed. Under autograd every chunk is
-recomputed in backward (non-reentrant checkpoint), so neither the transient peak nor the
-saved-for-backward memory grows with the number of rows.
+The LM head runs per chunk of rows, so the full ``[T, V]`` logits never exist, in forward or
+in backward. Each chunk's logits are model precision, *copied* to fp32 (never aliased, so
+in-place kernels cannot touch the model output), divided by the temperature in fp32, then
+log-softmaxed. Under autograd with ``recompute`` (the default) every chunk is recomputed in
+backward (a fused path for a plain ``nn.Linear`` head, a non-reentrant checkpoint otherwise),
+so neither the transient peak nor the saved-for-backward memory grows with the number of rows.
 
-``head_logprobs`` goes one step further and applies the LM head per chunk from the hidden
-states, so the full ``[T, V]`` logits never exist, in forward or in backward.
+Also here: sampling-mask replay (``RowSupports``: masked rows renormalised over their kept
+set; ``check_targets_in_support``; ``masked_token_logprobs`` for logits already in hand) and
+the kernels and chunking the path is built from. The logits-given reference that the tests
+and ``benchmarks/logprobs_memory.py`` compare against is ``tests/train/logprob_reference.py``.
 """
 
 from __future__ import annotations
@@ -101,44 +105,6 @@ def _gather(z: torch.Tensor, targets: torch.Tensor, supports: RowSupports | None
     return masked_log_softmax_gather(z, targets, supports.keep(z.shape[-1]))
 
 
-def _logprob_chunk(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float,
-    supports: RowSupports | None = None,
-) -> torch.Tensor:
-    return _gather(upcast(logits, temperature), targets, supports)
-
-
-def _entropy_chunk(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return entropy_kernel(upcast(logits, temperature))
-
-
-def token_logprobs(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    recompute: bool = True,
-    supports: RowSupports | None = None,
-) -> torch.Tensor:
-    """fp32 log-probs of ``targets`` (``[R]`` or ``[R, K]``) under ``logits`` ``[R, V]``;
-    ``supports`` renormalises masked rows over their kept set."""
-    parts = [
-        _maybe_checkpoint(
-            _logprob_chunk,
-            logits[s],
-            targets[s],
-            temperature,
-            None if supports is None else supports.chunk(s),
-            recompute=recompute,
-        )
-        for s in chunk_slices(logits.shape[0], chunk_size)
-    ]
-    return torch.cat(parts)
-
-
 def support_matrix(
     vocab_size: int, ids: torch.Tensor, offsets: torch.Tensor, vocab_start: int = 0
 ) -> torch.Tensor:
@@ -203,8 +169,10 @@ def masked_token_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     recompute: bool = True,
 ) -> torch.Tensor:
-    """Sampling-mask replay: fp32 log-probs of ``targets`` ``[R]`` renormalised over each
-    row's kept set (CSR ``ids`` / ``offsets`` ``[R + 1]``), chunked like :func:`token_logprobs`.
+    """Sampling-mask replay over logits you already hold (docs/rollout.md): fp32 log-probs of
+    ``targets`` ``[R]`` under ``logits`` ``[R, V]``, renormalised over each row's kept set
+    (CSR ``ids`` / ``offsets`` ``[R + 1]``). :func:`head_logprobs` with the identity as the
+    head, so chunked and recomputed the same way.
 
     Raises InputError when a target lies outside its row's support."""
     if offsets.numel() != logits.shape[0] + 1:
@@ -213,40 +181,16 @@ def masked_token_logprobs(
         )
     check_targets_in_support(targets, ids, offsets)
     every_row = RowSupports(torch.ones(logits.shape[0], dtype=torch.bool), ids, offsets)
-    return token_logprobs(
+    lp, _ = head_logprobs(
         logits,
+        nn.Identity(),
         targets,
         temperature=temperature,
         chunk_size=chunk_size,
         recompute=recompute,
         supports=every_row,
     )
-
-
-def shard_masked_stats(z_shard: torch.Tensor, keep_shard: torch.Tensor) -> torch.Tensor:
-    """One vocabulary shard's masked ``logsumexp`` per row (``-inf`` if no kept id lives there).
-
-    Shards combine with ``torch.logsumexp(torch.stack(stats), 0)`` (an all-reduce of max and
-    sum-exp under tensor parallelism)."""
-    return torch.logsumexp(z_shard.masked_fill(~keep_shard, float("-inf")), dim=-1)
-
-
-def token_entropy(
-    logits: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    recompute: bool = True,
-    grad: bool = False,
-) -> torch.Tensor:
-    """fp32 entropy ``[R]`` of each row. With ``grad=False`` it is a metric: no graph is built."""
-    source = logits if grad else logits.detach()
-    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-        parts = [
-            _maybe_checkpoint(_entropy_chunk, source[s], temperature, recompute=recompute)
-            for s in chunk_slices(logits.shape[0], chunk_size)
-        ]
-    return torch.cat(parts)
+    return lp
 
 
 def _head_chunk(

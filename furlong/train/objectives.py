@@ -124,9 +124,12 @@ class Objective:
         """The per-datum output the head produces: ``logprobs`` or ``values``."""
         return "values" if self.head == "value" else "logprobs"
 
-    def resolve_config(self, config: Mapping[str, object] | None) -> dict[str, float]:
+    def resolve_config(
+        self, config: Mapping[str, object] | None, where: str = "loss_fn_config"
+    ) -> dict[str, float]:
         """Defaults overlaid with the request's values; a key the objective does not take is
-        refused (a typo such as ``clip_lo`` must not train with the defaults)."""
+        refused (a typo such as ``clip_lo`` must not train with the defaults). ``where`` names
+        the config in messages (the RL config's is ``algo.objective_config``)."""
         resolved = dict(self.defaults)
         for key, value in (config or {}).items():
             if key not in self.defaults:
@@ -135,21 +138,21 @@ class Objective:
                     if self.defaults
                     else "it takes no loss_fn_config"
                 )
-                raise InputError(f"loss_fn_config: unknown key {key!r} for {self.name!r}; {takes}")
+                raise InputError(f"{where}: unknown key {key!r} for {self.name!r}; {takes}")
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise InputError(f"loss_fn_config[{key!r}]: expected a number, got {value!r}")
+                raise InputError(f"{where}[{key!r}]: expected a number, got {value!r}")
             if not math.isfinite(value):
-                raise InputError(f"loss_fn_config[{key!r}]: must be finite, got {value}")
+                raise InputError(f"{where}[{key!r}]: must be finite, got {value}")
             resolved[key] = float(value)
         lo, hi = resolved.get("clip_low_threshold"), resolved.get("clip_high_threshold")
         if lo is not None and hi is not None and not 0.0 <= lo <= hi:
             raise InputError(
-                f"loss_fn_config: need 0 <= clip_low_threshold <= clip_high_threshold "
+                f"{where}: need 0 <= clip_low_threshold <= clip_high_threshold "
                 f"(absolute ratio bounds), got {lo} and {hi}"
             )
         for key in ("beta", "value_clip"):
             if resolved.get(key, 0.0) < 0:
-                raise InputError(f"loss_fn_config[{key!r}]: must be >= 0, got {resolved[key]}")
+                raise InputError(f"{where}[{key!r}]: must be >= 0, got {resolved[key]}")
         return resolved
 
 

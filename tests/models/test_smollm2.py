@@ -133,7 +133,7 @@ def test_rollout_logprobs_equal_teacher_forcing_and_stop_at_im_end(shared) -> No
     questions = ["What is the capital of France?", "Name a primary colour.", "Say hello."]
     prompts = [tokenizer(chat_prompt(tokenizer, q))["input_ids"] for q in questions]
     rollout = EmbeddedEngine(model, tokenizer)
-    assert rollout._fast is not None and rollout.eos_ids == {tokenizer.eos_token_id}
+    assert rollout._runner.fast is not None and rollout.eos_ids == {tokenizer.eos_token_id}
     assert tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id) == "<|im_end|>"
     sampled = rollout.generate(prompts, SamplingParams(max_tokens=10, seed=1, temperature=1.0))
     trainer = TrainingEngine(model, tokenizer)

@@ -15,7 +15,7 @@ import ray
 from furlong.rl import ray_rollout, tasks
 from furlong.rl.config import load_config
 from furlong.rl.loop import train
-from furlong.rl.scale_out import ScaleOut
+from furlong.rl.scale import ScaleOut
 from tests.train.helpers import short_text
 
 KILL_AT_GENERATE = 3  # 1: evaluation before RL, 2: step 1, 3: step 2

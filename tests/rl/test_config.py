@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from furlong.errors import InputError
-from furlong.rl import config_doc
 from furlong.rl.config import RLConfig, load_config, to_toml
 from furlong.rl.tasks import Problem, addition, build_task, exact_number, jsonl
+from tools import config_reference as config_doc
 
 
 def test_toml_then_overrides(tmp_path) -> None:
@@ -108,7 +108,7 @@ def test_jsonl_task(tmp_path) -> None:
 
 def test_the_docs_config_reference_is_up_to_date() -> None:
     """docs/rl.md's reference is generated from the config classes; regenerate it with
-    ``python -m furlong.rl.config_doc docs/rl.md`` when a field changes."""
+    ``python -m tools.config_reference docs/rl.md`` when a field changes."""
     page = (Path(__file__).resolve().parents[2] / "docs" / "rl.md").read_text()
     assert config_doc.reference() in page
     for group in dataclasses.fields(RLConfig):
@@ -174,3 +174,26 @@ def test_rollout_engine_choice_is_checked_with_the_scale_group() -> None:
         )
     with pytest.raises(InputError, match=r"rollout\.urls: only used with"):
         load_config(None, ['rollout.urls=["http://127.0.0.1:1"]'])
+
+
+def test_objective_config_is_checked_against_the_registry(tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('[algo]\nobjective = "dro"\n[algo.objective_config]\nbeta = 0.1\n')
+    assert load_config(path).loss_fn_config == {"beta": 0.1}
+    high = "algo.objective_config.clip_high_threshold=2"
+    config = load_config(None, ["algo.objective=ppo", high])
+    assert config.algo.objective_config == {"clip_high_threshold": 2.0}
+    assert load_config(None, ["algo.objective=cispo", "algo.clip_low=0.1"]).loss_fn_config == {
+        "clip_low_threshold": 0.1
+    }
+    (tmp_path / "config.toml").write_text(to_toml(config))
+    assert load_config(tmp_path / "config.toml") == config
+    for overrides, match in [
+        (["algo.objective=gspo", "algo.objective_config.beta=1"], r"unknown key 'beta' for 'gspo'"),
+        (["algo.objective=ppo", "algo.objective_config.clip_low_threshold=true"], "expected float"),
+        (["algo.objective=ppo", "algo.clip_low=2"], "clip_low_threshold <= clip_high_threshold"),
+        (["algo.objective=dro", "algo.dro_beta=1", "algo.objective_config.beta=1"], "also set"),
+        (["algo.objective_config=3"], r"algo.objective_config: expected dict\[str, float\]"),
+    ]:
+        with pytest.raises(InputError, match=match):
+            load_config(None, overrides)

@@ -8,7 +8,7 @@ import torch
 
 from furlong.rl.build import build_parts
 from furlong.rl.config import load_config
-from furlong.rl.scale_out import ScaleOut
+from furlong.rl.scale import ScaleOut
 from furlong.train.muon import Muon
 from furlong.types import AdamParams, Datum
 

@@ -24,7 +24,7 @@ from furlong.models import build_preset
 from furlong.rl import loop
 from furlong.rl.config import load_config
 from furlong.rl.loop import train
-from furlong.rl.scale_out import ScaleOut
+from furlong.rl.scale import ScaleOut
 
 pytestmark = pytest.mark.usefixtures("one_thread", "short_reward")
 

@@ -1,7 +1,7 @@
 """`rollout.engine` from config: an SGLang fleet (two `furlong rollout-server` apps on
 127.0.0.1) samples exactly what the embedded engine samples, spreads requests over its
-servers and publishes weights to all of them; both engines implement the one
-`RolloutEngine` protocol; bad kinds and URLs are InputErrors naming the field."""
+servers and publishes weights to all of them; every registered kind implements the
+protocols of the front doors it serves; bad kinds and URLs are InputErrors naming the field."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from fastapi import FastAPI
 from furlong.errors import InputError
 from furlong.models import build_preset
 from furlong.rl.rollout_choice import build_rollout
-from furlong.rollout.base import RolloutEngine
+from furlong.rollout.base import RolloutEngine, SamplingEngine, SessionEngine, protocol_members
 from furlong.rollout.engine import EmbeddedEngine
+from furlong.rollout.registry import engine_class
 from furlong.rollout.sampling import SamplingParams
 from furlong.rollout.server import create_app
-from furlong.rollout.sglang_client import SGLangClient
 from furlong.serving import background_server
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -103,36 +103,25 @@ def test_a_fleet_samples_like_the_embedded_engine_and_takes_weights_everywhere()
             fleet.close()
 
 
-PROTOCOL = [
-    "tokenizer",
-    "router",
-    "context_length",
-    "weight_version",
-    "generate",
-    "submit",
-    "update_weights",
-    "check_weights",
-    "abort",
-    "pause",
-    "resume",
-    "offload",
-    "onload",
-    "memory_bytes",
-    "metrics",
-    "close",
-]
+# what each built-in kind serves: the loop, and (in process or over HTTP) the session server
+# and the Tinker service's sampling
+SERVES = {
+    "embedded": [RolloutEngine, SessionEngine, SamplingEngine],
+    "sglang": [RolloutEngine, SessionEngine],
+    "ray": [RolloutEngine],
+}
 
 
-def assert_implements(engine: object) -> None:
+def assert_implements(cls: type, protocol: type) -> None:
     """Every protocol member is there (read statically: no property runs, no HTTP), and each
     method takes the protocol's parameters, in order, extra ones optional."""
-    members = [n for n in vars(RolloutEngine) if not n.startswith("_")]
-    assert sorted(members) == sorted(PROTOCOL)  # the interface this test pins down
-    for name in members:
-        declared = inspect.getattr_static(RolloutEngine, name)
-        found = inspect.getattr_static(engine, name)  # AttributeError if missing
-        if isinstance(declared, property):
-            continue
+    for name in protocol_members(protocol):
+        declared = next(
+            vars(c)[name] for c in protocol.__mro__ if name in vars(c)
+        )  # the protocol's own declaration
+        if isinstance(declared, property):  # a property or an annotated instance attribute
+            continue  # (the registry's own check, above, found it)
+        found = inspect.getattr_static(cls, name)  # AttributeError if missing
         wanted = list(inspect.signature(declared).parameters.values())[1:]
         have = list(inspect.signature(found).parameters.values())[1:]
         assert [p.name for p in have[: len(wanted)]] == [p.name for p in wanted], name
@@ -141,13 +130,18 @@ def assert_implements(engine: object) -> None:
         )
 
 
-def test_every_engine_implements_the_protocol() -> None:
-    assert_implements(EmbeddedEngine(*build_preset("tiny-qwen3", seed=0)))
-    client = SGLangClient(["http://127.0.0.1:9", "http://127.0.0.1:10"])  # no I/O yet
-    try:
-        assert_implements(client)
-    finally:
-        client.close()
+@pytest.mark.parametrize("kind", sorted(SERVES))
+def test_every_kind_implements_the_protocols_it_serves(kind: str) -> None:
+    for protocol in SERVES[kind]:
+        cls = engine_class(kind, protocol)  # the registry's own check passes
+        assert_implements(cls, protocol)
+
+
+def test_the_registry_refuses_a_kind_that_cannot_serve_a_front_door() -> None:
+    with pytest.raises(InputError, match=r"--engine: 'ray' cannot serve here: RayRollout lacks"):
+        engine_class("ray", SessionEngine, "--engine")
+    with pytest.raises(InputError, match=r"--engine: 'vllm' is not one of \['embedded'"):
+        engine_class("vllm", SessionEngine, "--engine")
 
 
 def closed_port() -> int:

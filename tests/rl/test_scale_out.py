@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from furlong.cli import main
 from furlong.errors import InputError
 from furlong.rl.placement import plan
-from furlong.rl.scale_out import ScaleOut
+from furlong.rl.scale import ScaleOut
 
 
 def test_train_with_two_trainer_ranks(tmp_path, short_reward, capsys) -> None:

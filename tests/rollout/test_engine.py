@@ -59,7 +59,7 @@ def test_logprobs_equal_teacher_forced_trainer_forward(
 ) -> None:
     model, tokenizer, prompts = setup
     engine = EmbeddedEngine(model, tokenizer, fast_forward=fast_forward)
-    assert (engine._fast is not None) == fast_forward
+    assert (engine._runner.fast is not None) == fast_forward
     results = engine.generate(
         prompts[:3], never_stop(max_tokens=10, seed=1, temperature=temperature)
     )

@@ -8,6 +8,7 @@ import torch
 
 from furlong.models.presets import build_preset
 from furlong.rollout.engine import EmbeddedEngine
+from furlong.rollout.model_runner import ModelRunner
 from furlong.rollout.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -19,13 +20,13 @@ def test_duplicate_prompts_prefill_once_with_the_same_samples(monkeypatch) -> No
     params = [SamplingParams(max_tokens=6, seed=i, stop_token_ids=()) for i in range(8)]
     engine = EmbeddedEngine(model, tokenizer, max_running=8)
     calls = []
-    real = EmbeddedEngine._prefill_once
+    real = ModelRunner._prefill_once
     monkeypatch.setattr(
-        EmbeddedEngine, "_prefill_once", lambda self, *a: calls.append(1) or real(self, *a)
+        ModelRunner, "_prefill_once", lambda self, *a: calls.append(1) or real(self, *a)
     )
     shared = engine.generate(prompts, params)
     assert calls
-    monkeypatch.setattr(EmbeddedEngine, "_prefill_once", lambda self, *a: None)
+    monkeypatch.setattr(ModelRunner, "_prefill_once", lambda self, *a: None)
     plain = EmbeddedEngine(model, tokenizer, max_running=8).generate(prompts, params)
     for a, b in zip(shared, plain, strict=True):
         assert a.output_ids == b.output_ids

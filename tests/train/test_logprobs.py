@@ -19,10 +19,9 @@ from furlong.train.logprobs import (
     graph_connected_zero,
     head_logprobs,
     log_softmax_gather,
-    token_entropy,
-    token_logprobs,
     upcast,
 )
+from tests.train.logprob_reference import token_entropy, token_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,12 +10,8 @@ import torch
 
 from furlong.errors import InputError
 from furlong.rollout.sampling_mask import SamplingMask
-from furlong.train.logprobs import (
-    masked_token_logprobs,
-    shard_masked_stats,
-    support_matrix,
-    upcast,
-)
+from furlong.train.logprobs import masked_token_logprobs, support_matrix, upcast
+from tests.train.logprob_reference import shard_masked_stats
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

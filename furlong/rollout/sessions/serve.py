@@ -1,11 +1,13 @@
-"""A standalone session server: a model, the embedded engine, and uvicorn."""
+"""A standalone session server: a model, an engine of the registry's (the embedded one by
+default), and uvicorn."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 
+from furlong.rollout.base import SessionEngine
 from furlong.rollout.control import ControlPolicy
-from furlong.rollout.engine import EmbeddedEngine
+from furlong.rollout.registry import EngineRequest, build_engine, engine_class
 from furlong.rollout.sessions.app import create_app
 from furlong.rollout.sessions.config import SessionServerConfig
 from furlong.rollout.sessions.service import SessionServer
@@ -18,9 +20,10 @@ def build(
     seed: int = 0,
     routing_replay: bool = True,
     policy: ControlPolicy | None = None,
+    engine: str = "embedded",
 ) -> FastAPI:
-    """The app for ``model`` (a preset name or a local HF directory). The configuration is
-    validated before the model is loaded."""
+    """The app for ``model`` (a preset name or a local HF directory), served by an engine of
+    kind ``engine``. The configuration and the kind are checked before the model loads."""
     from furlong.models import load_model
 
     config = SessionServerConfig(
@@ -28,9 +31,11 @@ def build(
         routing_replay=routing_replay,
         model_name=model,
     )
+    engine_class(engine, SessionEngine, "--engine")
     net, tokenizer = load_model(model, seed=seed)
-    engine = EmbeddedEngine(net, tokenizer, max_running=max_running)
-    return create_app(SessionServer(engine, config), policy=policy)
+    request = EngineRequest(net, tokenizer, max_running=max_running)
+    served = build_engine(engine, request, SessionEngine, "--engine")
+    return create_app(SessionServer(served, config), policy=policy)
 
 
 def serve(

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from furlong.errors import InputError
-from furlong.rollout.base import GenerateResult, RolloutEngine, Weights
+from furlong.rollout.base import GenerateResult, SessionEngine, Weights
 from furlong.rollout.control import ControlPolicy
 from furlong.rollout.sample import Sample, truncate_response
 from furlong.rollout.sampling import SamplingParams, fit_max_tokens
@@ -50,10 +50,11 @@ class TooManySessions(RuntimeError):
 
 
 class SessionServer:
-    """Over any :class:`~furlong.rollout.base.RolloutEngine`: the embedded engine, or an
-    ``SGLangClient`` given the served model's tokenizer and context length."""
+    """Over any :class:`~furlong.rollout.base.SessionEngine`: the embedded engine, an
+    ``SGLangClient`` given the served model's tokenizer and context length, or any kind of
+    the registry (``furlong.rollout.registry``) that provides the protocol."""
 
-    def __init__(self, engine: RolloutEngine, config: SessionServerConfig):
+    def __init__(self, engine: SessionEngine, config: SessionServerConfig):
         self.engine, self.config = engine, config
         self.tokenizer = engine.tokenizer
         if self.tokenizer is None:

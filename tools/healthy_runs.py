@@ -7,7 +7,7 @@ A recipe page embeds a table between markers that name the recorded run director
     ...generated table...
     <!-- end healthy-run -->
 
-    python -m furlong.rl.health docs/recipes/*.md   # regenerate every table
+    python -m tools.healthy_runs docs/recipes/*.md   # regenerate every table
 
 A test checks every page holds exactly what its recorded run gives, so a table cannot drift
 from its run.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from furlong.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 METRICS = {
     "reward:mean": "reward (mean over the step's samples)",
     "kl:mean": "KL to the start policy (k1, per token)",
