@@ -6,12 +6,9 @@ can see that a front door really used it."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future
 
-from furlong.rollout.base import GenerateResult
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.registry import ENGINES, EngineRequest, register_engine
-from furlong.rollout.sampling import SamplingParams
 
 
 class RecordingEngine(EmbeddedEngine):
@@ -27,14 +24,8 @@ class RecordingEngine(EmbeddedEngine):
         super().__init__(*args, **kwargs)
         self.prompts: list[list[int]] = []
 
-    def submit_many(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams],
-        request_ids: Sequence[str] | None = None,
-        _start_worker: bool = True,
-    ) -> list[Future[GenerateResult]]:
-        futures = super().submit_many(prompts, params, request_ids, _start_worker)
+    def submit_many(self, prompts: Sequence[Sequence[int]], *rest, **named):  # type: ignore[override]
+        futures = super().submit_many(prompts, *rest, **named)
         self.prompts.extend(list(p) for p in prompts)  # only what the engine accepted
         return futures
 
