@@ -31,9 +31,11 @@ test-fast: $(STAMP)
 	$(PY) -m ruff check furlong tests benchmarks tools
 	$(PY) -m pytest -q -m "not slow"
 
+# mypy: its settings ([tool.mypy] in pyproject.toml) name what it checks (furlong/).
 lint: $(STAMP)
 	$(PY) -m ruff check furlong tests benchmarks tools
 	$(PY) -m ruff format --check furlong tests benchmarks tools
+	$(PY) -m mypy
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict

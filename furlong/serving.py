@@ -9,7 +9,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -42,9 +42,10 @@ async def read_json_object(
         raise InputError("body: JSON nested too deeply") from None
     if not isinstance(body, dict):
         raise InputError(f"body: expected a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - set(allowed)) if allowed is not None else []
-    if unknown:
-        raise InputError(f"body: unknown fields {unknown}; expected some of {list(allowed)}")
+    if allowed is not None:
+        unknown = sorted(set(body) - set(allowed))
+        if unknown:
+            raise InputError(f"body: unknown fields {unknown}; expected some of {list(allowed)}")
     return body
 
 
@@ -76,7 +77,7 @@ async def _disconnect(request: Any) -> None:
 
 
 @contextmanager
-def background_server(app, host: str = "127.0.0.1") -> Iterator[str]:
+def background_server(app: Callable[..., Any], host: str = "127.0.0.1") -> Iterator[str]:
     """Serve ``app`` on a free port; yields the base URL and shuts down afterwards."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((host, 0))  # bound before the server starts: no port race

@@ -118,3 +118,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
+
+
+_EXIT: dict[str, int] = {}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _EXIT["status"] = int(exitstatus)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave without the interpreter's finalization once the summary is out. The tinker SDK's
+    heartbeat threads (and Ray's, and torch's pools) outlive their servers as daemon threads,
+    and tearing them down at exit occasionally aborts the process (SIGABRT, exit 134) after a
+    fully passing run: a red CI for green tests. The run's own status is what is returned."""
+    if "status" in _EXIT and not config.option.collectonly:
+        import os
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT["status"])

@@ -29,7 +29,7 @@ HEAD_STD = 0.02
 class ValueModel(torch.nn.Module):
     """``values[b, t]``: the critic's estimate after reading tokens ``0..t`` of row ``b``."""
 
-    def __init__(self, trunk: torch.nn.Module, seed: int = 0):
+    def __init__(self, trunk: PreTrainedModel, seed: int = 0):
         super().__init__()
         self.trunk = trunk
         self.config = trunk.config
@@ -95,12 +95,16 @@ def critic_from_policy(model: PreTrainedModel, seed: int = 0) -> ValueModel:
 
 def load_trunk(
     spec: str | os.PathLike, seed: int = 0, dtype: torch.dtype = torch.float32
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """The trunk alone: its loader is never asked for a value-head parameter."""
     spec = str(spec)
     if spec in PRESETS:
         model, _ = build_preset(spec, seed=seed)
-        return _trunk_of(model).to(dtype)
+        trunk = _trunk_of(model)
+        # in place (Module.to returns self). transformers wraps PreTrainedModel.to with
+        # functools.wraps(nn.Module.to), which typeshed types as the unbound function: self first
+        trunk.to(dtype)  # type: ignore[arg-type]
+        return trunk
     spec = resolve(spec)  # a pretrained name (smollm2-135m) as its cached HF directory
     if not (os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "config.json"))):
         raise InputError(f"critic: {spec!r} is neither a model name nor a local HF model directory")
@@ -135,6 +139,7 @@ def hidden_head(critic: ValueModel) -> Iterator[torch.nn.Linear]:
     """Detach the head from the critic for the duration; it is put back even on error."""
     head = critic._modules.pop("value_head")
     try:
+        assert isinstance(head, torch.nn.Linear)  # init_value_head's
         yield head
     finally:
         critic._modules["value_head"] = head
@@ -153,7 +158,7 @@ def load_hf_trunk(critic: ValueModel, spec: str | os.PathLike) -> None:
         critic.load_state_dict(tensors, strict=True)
 
 
-def _trunk_of(model: torch.nn.Module) -> torch.nn.Module:
+def _trunk_of(model: PreTrainedModel) -> PreTrainedModel:
     """The decoder stack + final norm; for vision-language wrappers, the inner language model."""
     trunk = model.get_decoder() if hasattr(model, "get_decoder") else model
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -41,7 +41,12 @@ _ARCH: dict[type, tuple[type, ...]] = {
 }
 
 
-def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+# The HF modules are read by attribute name (weight, variance_epsilon, lora_A, ...), which torch
+# types as Tensor | Module: they are Any here, checked by ``supports``.
+HFModule = Any
+
+
+def _rms(x: torch.Tensor, norm: HFModule) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or norm.weight.requires_grad):
         return _RMSNorm.apply(x, norm.weight, norm.variance_epsilon)
     return torch.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
@@ -72,7 +77,7 @@ class _RMSNorm(torch.autograd.Function):
         return dx.to(x_dtype), dw.to(w_dtype), None
 
 
-def _linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
+def _linear(x: torch.Tensor, m: HFModule) -> torch.Tensor:
     if type(m) is nn.Linear:
         return F.linear(x, m.weight, m.bias)
     # a vanilla peft LoRA layer (``_is_linear`` checked it): peft's ``base + B(A(x)) * scaling``
@@ -126,14 +131,15 @@ class FastForward:
     def __init__(self, model: nn.Module):
         if not self.supports(model):
             raise ValueError(f"FastForward does not support {type(model).__name__}")
-        self.model = model
-        cfg = model.config
+        hf: HFModule = model
+        self.model: HFModule = hf
+        cfg = hf.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = model.model.layers[0].self_attn.head_dim
-        self.scaling = model.model.layers[0].self_attn.scaling
+        self.head_dim = hf.model.layers[0].self_attn.head_dim
+        self.scaling = hf.model.layers[0].self_attn.scaling
         # HF's rotary angles are positions * cat(inv_freq, inv_freq); rotate_half's sign is
         # folded into sin. A buffer, not a weight (scaled/dynamic RoPE is refused).
-        inv_freq = model.model.rotary_emb.inv_freq.float()
+        inv_freq = hf.model.rotary_emb.inv_freq.float()
         self._inv_freq = torch.cat((inv_freq, inv_freq))
         self._sign = torch.cat((-torch.ones_like(inv_freq), torch.ones_like(inv_freq)))
 
@@ -145,7 +151,8 @@ class FastForward:
         if arch is None:
             return False
         layer_cls, attn_cls, mlp_cls, norm_cls = arch
-        cfg, body = model.config, model.model
+        hf: HFModule = model
+        cfg, body = hf.config, hf.model
         rope = getattr(cfg, "rope_parameters", None) or {}
         if (
             cfg.hidden_act != "silu"
@@ -160,7 +167,7 @@ class FastForward:
             or body.embed_tokens.max_norm is not None
             or body.embed_tokens.scale_grad_by_freq
             or body.embed_tokens.sparse
-            or not _is_linear(model.lm_head)
+            or not _is_linear(hf.lm_head)
             or type(body.norm) is not norm_cls
         ):
             return False

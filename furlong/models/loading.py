@@ -43,7 +43,10 @@ def load_model(
         raise InputError("model: empty name; give a preset, a local HF directory or a hub id")
     if spec in PRESETS:
         model, tokenizer = build_preset(spec, seed=seed)
-        return model.to(dtype), tokenizer
+        # in place (Module.to returns self). transformers wraps PreTrainedModel.to with
+        # functools.wraps(nn.Module.to), which typeshed types as the unbound function: self first
+        model.to(dtype)  # type: ignore[arg-type]
+        return model, tokenizer
     spec = resolve(spec)
     if Path(spec).is_dir() and not (Path(spec) / "config.json").exists():
         raise InputError(f"model {spec!r}: directory has no config.json (not an HF model dir)")

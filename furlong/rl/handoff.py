@@ -26,6 +26,7 @@ import torch
 
 from furlong.errors import InputError
 from furlong.rollout.base import MemoryTag, RolloutEngine
+from furlong.train.composite import CompositeOptimizer
 from furlong.train.engine import movable_state
 
 LEVELS = ("kv_cache", "weight")
@@ -183,7 +184,7 @@ class ColocatedTrainer(Protocol):
     """What the hand-off needs from the trainer (:class:`~furlong.train.engine.TrainingEngine`)."""
 
     params: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
+    optimizer: CompositeOptimizer
 
     def sleep(self) -> int: ...
 
@@ -239,7 +240,7 @@ class Colocation:
         self.ledger.set("weights", sizes["weights"])
         self.ledger.set("kv_cache", sizes["kv_cache"])
 
-    def startup(self, load_trainer: Callable[[], None], publish: Callable[[], None]) -> None:
+    def startup(self, load_trainer: Callable[[], object], publish: Callable[[], object]) -> None:
         """Engines up → release → trainer init + checkpoint load (``load_trainer``) → trainer
         sleeps → resume → first weight update (``publish``) → KV back."""
         self._enter("startup", "down")
@@ -279,7 +280,7 @@ class Colocation:
             self._wake()
         self.phase = "training"
 
-    def publish(self, update: Callable[[], None]) -> None:
+    def publish(self, update: Callable[[], object]) -> None:
         """Hand the device back to the rollout and push the new weights (``update``)."""
         self._enter("publish", "training")
         if any(p.grad is not None for p in self.trainer.params):  # before anything moves

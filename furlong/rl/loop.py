@@ -19,6 +19,7 @@ import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -39,6 +40,9 @@ from furlong.rl.signal_watch import SignalWatch
 from furlong.train.api import Trainer
 from furlong.train.engine import TrainingEngine
 from furlong.types import AdamParams
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 PLOTTED = ("reward:mean", "eval_pass1", "eval_greedy", "kl:mean", "entropy:mean", "grad_norm:mean")
 
@@ -167,7 +171,7 @@ def _export(parts: Parts, path: Path) -> Path:
     return parts.actor.export_hf(path)
 
 
-def _export_adapter(adapter: torch.nn.Module, path: Path) -> Path:
+def _export_adapter(adapter: PeftModel, path: Path) -> Path:
     from furlong.models.loading import atomic_dir, publish_dir
     from furlong.train import lora
 

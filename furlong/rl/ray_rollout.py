@@ -18,11 +18,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
-from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -33,6 +32,7 @@ from furlong.rollout.base import (
     MemoryBytes,
     MemoryTag,
     PauseMode,
+    RolloutEngine,
     Weights,
     check_weight_shapes,
     expand_params,
@@ -42,6 +42,11 @@ from furlong.rollout.codec import decode_results, encode_results, opt_in, payloa
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.rollout.registry import EngineRequest
 from furlong.rollout.sampling import SamplingParams
+
+# A Ray actor handle (of a RolloutActor). Ray types method access on an ActorHandle as Never,
+# and ActorClass.remote() as ActorHandle[T] | type[T]: typed calls would need @ray.method on
+# every actor method. The handles are Any; what they run is RolloutActor.call.
+Actor = Any
 
 CALLS = frozenset(
     {
@@ -76,7 +81,9 @@ class RolloutActor:
     def __init__(self, spec: EngineSpec):
         torch.set_num_threads(spec.threads)
         policy, tokenizer = load_model(spec.model, seed=spec.seed, dtype=getattr(torch, spec.dtype))
-        policy = policy.to(spec.device)
+        # in place (Module.to returns self). transformers wraps PreTrainedModel.to with
+        # functools.wraps(nn.Module.to), which typeshed types as the unbound function: self first
+        policy.to(spec.device)  # type: ignore[arg-type]
         self.engine = EmbeddedEngine(policy, tokenizer, max_running=spec.max_running)
 
     def ready(self) -> int:
@@ -112,7 +119,7 @@ class RayRollout:
 
     def __init__(
         self,
-        engines: Sequence[ActorHandle],
+        engines: Sequence[Actor],
         attempts: int = 3,
         restart_timeout_s: float = 600,
         fields: Sequence[str] | None = None,
@@ -250,7 +257,7 @@ def start_engines(
     spec: EngineSpec,
     strategies: Sequence[PlacementGroupSchedulingStrategy | None],
     resources: Sequence[dict[str, float]],
-) -> list[ActorHandle]:
+) -> list[Actor]:
     """One restartable engine actor per scheduling strategy (placement-group bundle)."""
     actor = ray.remote(RolloutActor)
     job = ray.get_runtime_context().get_job_id()
@@ -265,3 +272,12 @@ def start_engines(
         ).remote(spec)
         for j, (where, need) in enumerate(zip(strategies, resources, strict=True))
     ]
+
+
+if TYPE_CHECKING:
+    # mypy holds the kind to each protocol it serves, signatures included (the registry's
+    # run-time check reads only the names); one function per protocol, so that an error names
+    # the missing or mismatched member
+
+    def _rollout(engine: RayRollout) -> RolloutEngine:
+        return engine

@@ -81,7 +81,7 @@ class RayTrainerGroup(GroupAPI):
         init = ray.get(_rendezvous_address.options(scheduling_strategy=where[0]).remote())
         self.world_size = world
         self.placement_group = group  # removed by close(), after the engines on it are gone
-        self.actors = []
+        self.actors: list[Any] = []  # Ray actor handles (Any: see ray_rollout.Actor)
         for rank, bundle in enumerate(placement.trainers):
             need = placement.resources(bundle)
             actor = ray.remote(RankActor).options(

@@ -35,7 +35,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -49,8 +49,10 @@ from furlong.rl.scale import ScaleOut
 from furlong.train import checkpoint as ckpt
 from furlong.train.api import Trainer
 
+M = TypeVar("M", bound=torch.nn.Module)
+
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from furlong.train.engine import TrainingEngine
 
@@ -115,7 +117,7 @@ def stage(
     actor: Trainer,
     critic: TrainingEngine | None,
     reference: TrainingEngine | None,
-    base: tuple[torch.nn.Module, PreTrainedTokenizerBase] | None = None,
+    base: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None,
 ) -> Pending:
     """Write the engines' states into a temp checkpoint directory; ``reference`` is None when
     it need not be saved; ``base``: a LoRA actor's (model, tokenizer) when it was warmed up."""
@@ -138,7 +140,7 @@ def commit(pending: Pending, config: RLConfig, step: int, rng: random.Random) ->
     """Add the step's generator states and config, publish the directory, point ``latest``
     at it."""
     version, state, gauss = rng.getstate()
-    meta = {"step": step, "weight_version": step, "metrics_step": step}
+    meta: dict[str, Any] = {"step": step, "weight_version": step, "metrics_step": step}
     meta["python_rng"] = [version, list(state), gauss]
     try:
         (pending.tmp / STATE).write_text(json.dumps(meta))
@@ -273,7 +275,7 @@ def restore_critic(
     return critic
 
 
-def actor_model(saved: Checkpoint, like: torch.nn.Module) -> torch.nn.Module:
+def actor_model(saved: Checkpoint, like: M) -> M:
     """A copy of ``like`` (awake, the actor's architecture) holding the checkpoint's actor
     weights."""
     tensors, _, meta = ckpt.read_training_state(saved.path / ACTOR)

@@ -17,15 +17,13 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from furlong.errors import InputError
 from furlong.rl.scale import ScaleOut
 from furlong.rollout.base import RolloutEngine, check_url
 from furlong.rollout.registry import ENGINES, EngineRequest, build_engine
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def check_choice(kind: object, urls: object, ray: str | None = None) -> list[str]:
@@ -60,7 +58,7 @@ def rollout_kind(engine: str, scale: ScaleOut) -> str:
 def build_rollout(
     kind: str,
     urls: Sequence[str],
-    policy: torch.nn.Module,
+    policy: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     batch: int,
     *,

@@ -86,9 +86,12 @@ def _held_out(key: str, share: float) -> bool:
     return int.from_bytes(digest[:4], "big") / 2**32 < share
 
 
-def addition(max_a: int = 99, max_b: int = 9, held_out: float = 0.2) -> tuple[list, list]:
+def addition(
+    max_a: int = 99, max_b: int = 9, held_out: float = 0.2
+) -> tuple[list[Problem], list[Problem]]:
     """``What is a + b?`` for 0 <= a <= max_a, 0 <= b <= max_b; held-out pairs never train."""
-    train, held = [], []
+    train: list[Problem] = []
+    held: list[Problem] = []
     for a in range(max_a + 1):
         for b in range(max_b + 1):
             problem = Problem(f"What is {a} + {b}?", str(a + b))
@@ -96,9 +99,10 @@ def addition(max_a: int = 99, max_b: int = 9, held_out: float = 0.2) -> tuple[li
     return train, held
 
 
-def largest(count: int = 4, held_out: float = 0.2) -> tuple[list, list]:
+def largest(count: int = 4, held_out: float = 0.2) -> tuple[list[Problem], list[Problem]]:
     """``Which digit is largest: 3 8 1 5?`` over every string of ``count`` digits."""
-    train, held = [], []
+    train: list[Problem] = []
+    held: list[Problem] = []
     for n in range(10**count):
         digits = f"{n:0{count}d}"
         prompt = f"Which digit is largest: {' '.join(digits)}?"
@@ -107,9 +111,10 @@ def largest(count: int = 4, held_out: float = 0.2) -> tuple[list, list]:
     return train, held
 
 
-def reverse(count: int = 3, held_out: float = 0.2) -> tuple[list, list]:
+def reverse(count: int = 3, held_out: float = 0.2) -> tuple[list[Problem], list[Problem]]:
     """``Reverse 3 8 1`` -> ``183`` over every string of ``count`` digits."""
-    train, held = [], []
+    train: list[Problem] = []
+    held: list[Problem] = []
     for n in range(10**count):
         digits = f"{n:0{count}d}"
         problem = Problem(f"Reverse {' '.join(digits)}", digits[::-1], decoy=digits)
@@ -117,8 +122,9 @@ def reverse(count: int = 3, held_out: float = 0.2) -> tuple[list, list]:
     return train, held
 
 
-def jsonl(path: str | Path) -> tuple[list, list]:
-    train, held = [], []
+def jsonl(path: str | Path) -> tuple[list[Problem], list[Problem]]:
+    train: list[Problem] = []
+    held: list[Problem] = []
     lines = Path(path).read_text().splitlines()
     for i, line in enumerate(lines):
         if not line.strip():
@@ -225,7 +231,7 @@ class PluginReward:
     problem, rather than poisoning the advantages with NaN or a None."""
 
     spec: str
-    function: Callable[[str, Problem], float]
+    function: Callable[[str, Problem], object]  # checked: a finite number
 
     def __call__(self, response: str, problem: Problem) -> float:
         value = self.function(response, problem)
@@ -237,7 +243,9 @@ class PluginReward:
         )
 
 
-def _plugin_problems(spec: str, path: str, max_a: int, max_b: int) -> tuple[list, list]:
+def _plugin_problems(
+    spec: str, path: str, max_a: int, max_b: int
+) -> tuple[list[Problem], list[Problem]]:
     made = load_function(spec, "task.name")(path=path, max_a=max_a, max_b=max_b)
     if not _is_split(made):
         raise InputError(

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, get_args, runtime_checkable
+from typing import Any, Literal, Protocol, cast, get_args, runtime_checkable
 from urllib.parse import urlsplit
 
 import torch
@@ -27,8 +27,8 @@ FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
 MemoryTag = Literal["kv_cache", "weights"]
 MemoryBytes = dict[str, int]  # "weights", "kv_cache", "mirror"
-PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
-MEMORY_TAGS: tuple[str, ...] = get_args(MemoryTag)
+PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
+MEMORY_TAGS: tuple[MemoryTag, ...] = get_args(MemoryTag)
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ def no_memory() -> MemoryBytes:
 def check_pause_mode(mode: str) -> PauseMode:
     if mode not in PAUSE_MODES:
         raise InputError(f"mode: {mode!r} is not one of {list(PAUSE_MODES)}")
-    return mode  # type: ignore[return-value]
+    return mode
 
 
 def check_tags(tags: Iterable[str]) -> list[MemoryTag]:
@@ -216,7 +216,7 @@ def check_tags(tags: Iterable[str]) -> list[MemoryTag]:
     for i, tag in enumerate(tags):
         if tag not in MEMORY_TAGS:
             raise InputError(f"tags[{i}]: {tag!r} is not one of {list(MEMORY_TAGS)}")
-    return list(dict.fromkeys(tags))  # type: ignore[arg-type]
+    return cast(list[MemoryTag], list(dict.fromkeys(tags)))  # each one of MEMORY_TAGS
 
 
 def check_url(url: Any, field: str) -> str:

@@ -149,7 +149,7 @@ def _decode(payload: bytes, fields: tuple[str, ...]) -> tuple[list[Sample], dict
     nulls = {k: set(v) for k, v in meta["nulls"].items()}
     samples = []
     for i in range(meta["count"]):
-        kwargs: dict[str, object] = {"response_length": meta["response_length"][i]}
+        kwargs: dict[str, Any] = {"response_length": meta["response_length"][i]}
         for name in fields:
             if name in _SCALARS:
                 kwargs[name] = meta[name][i]
@@ -161,7 +161,7 @@ def _decode(payload: bytes, fields: tuple[str, ...]) -> tuple[list[Sample], dict
                 kwargs[name] = SamplingMask(ids, offsets)
             else:
                 kwargs[name] = _take(tensors, f"{name}.{i}", _TENSOR_DTYPES[name], used)
-        samples.append(Sample(**kwargs))  # type: ignore[arg-type]
+        samples.append(Sample(**kwargs))  # Sample checks the fields
     extra = sorted(set(tensors) - used)
     if extra:
         raise InputError(f"codec: payload holds tensors no requested field references: {extra[:4]}")
@@ -223,6 +223,8 @@ def _results(samples: list[Sample], meta: dict[str, Any]) -> list[GenerateResult
     for s, rid, reason in zip(samples, ids, reasons, strict=True):
         if reason not in get_args(FinishReason) or not isinstance(rid, int | str):
             raise InputError(f"codec: bad request id {rid!r} or finish reason {reason!r}")
+        if not isinstance(s.weight_version, int):  # a result names its weights (fields has it)
+            raise InputError(f"codec: bad weight version {s.weight_version!r} for a result")
         out.append(
             GenerateResult(
                 request_id=rid,

@@ -26,9 +26,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import PreTrainedModel
 
 from furlong.errors import InputError
 from furlong.host_memory import release_host_memory
@@ -39,6 +40,9 @@ from furlong.rollout.base import (
     MemoryBytes,
     MemoryTag,
     PauseMode,
+    RolloutEngine,
+    SamplingEngine,
+    SessionEngine,
     Weights,
     check_pause_mode,
     check_tags,
@@ -85,7 +89,7 @@ class EmbeddedEngine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         tokenizer: Any,
         max_running: int = 16,
         fast_forward: bool = True,
@@ -199,6 +203,7 @@ class EmbeddedEngine:
             if id(request) in self._to_abort:
                 self._finish_aborted(request)
         if keep:
+            assert batch.mask is not None and batch.logits is not None  # running rows: prefilled
             batch.cache, batch.mask = kv_cache.select(batch.cache, batch.mask, keep)
             batch.logits = batch.logits[keep]
             batch.running = [batch.running[i] for i in keep]
@@ -417,6 +422,7 @@ class EmbeddedEngine:
             batch.cache, batch.mask = kv_cache.merge(batch.cache, batch.mask, cache, mask)
             batch.logits = logits if batch.logits is None else torch.cat([batch.logits, logits])
             batch.running.extend(joining)
+        assert batch.mask is not None and batch.logits is not None  # running rows: prefilled
         running = batch.running
         draws = draw_batch(
             batch.logits, [r.params for r in running], [r.generator for r in running]
@@ -446,3 +452,18 @@ class EmbeddedEngine:
         return result(
             request, reason, version, self._runner.routed_experts(request) if wants else None
         )
+
+
+if TYPE_CHECKING:
+    # mypy holds the kind to each protocol it serves, signatures included (the registry's
+    # run-time check reads only the names); one function per protocol, so that an error names
+    # the missing or mismatched member
+
+    def _rollout(engine: EmbeddedEngine) -> RolloutEngine:
+        return engine
+
+    def _session(engine: EmbeddedEngine) -> SessionEngine:
+        return engine
+
+    def _sampling(engine: EmbeddedEngine) -> SamplingEngine:
+        return engine

@@ -9,44 +9,53 @@ filled part.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 _HEADROOM = 64  # positions of spare room after a (re)allocation, at least
 
 
 class GrowingLayer(DynamicLayer):
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self.assign(key_states, value_states)
-            return self.keys, self.values
+            return self.assign(key_states, value_states)
+        assert self.keys is not None and self.values is not None  # initialized: assign set them
         filled, new = self.keys.shape[-2], key_states.shape[-2]
         if filled + new > self._k.shape[-2]:
             self.assign(self.keys, self.values, extra=new)
         self._k[:, :, filled : filled + new] = key_states
         self._v[:, :, filled : filled + new] = value_states
-        self.keys = self._k[:, :, : filled + new]
-        self.values = self._v[:, :, : filled + new]
-        return self.keys, self.values
+        keys, values = self._k[:, :, : filled + new], self._v[:, :, : filled + new]
+        self.keys, self.values = keys, values
+        return keys, values
 
-    def assign(self, keys: torch.Tensor, values: torch.Tensor, extra: int = 0) -> None:
-        """Replace the contents (copied into a fresh buffer with room to grow)."""
+    def assign(
+        self, keys: torch.Tensor, values: torch.Tensor, extra: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replace the contents (copied into a fresh buffer with room to grow); returns the
+        filled views, the layer's new ``keys`` and ``values``."""
         filled = keys.shape[-2]
         room = filled + extra + max(_HEADROOM, filled // 2)
         self._k = keys.new_empty(*keys.shape[:2], room, keys.shape[-1])
         self._v = values.new_empty(*values.shape[:2], room, values.shape[-1])
         self._k[:, :, :filled] = keys
         self._v[:, :, :filled] = values
-        self.keys, self.values = self._k[:, :, :filled], self._v[:, :, :filled]
+        filled_keys, filled_values = self._k[:, :, :filled], self._v[:, :, :filled]
+        self.keys, self.values = filled_keys, filled_values
         self.device, self.is_initialized = keys.device, True
+        return filled_keys, filled_values
 
     def to(self, device: torch.device | str) -> None:
         """Move the filled part (e.g. to host memory while the engine is offloaded)."""
         if self.is_initialized:
+            assert self.keys is not None and self.values is not None  # assign set them
             self.assign(self.keys.to(device), self.values.to(device))
 
 
@@ -73,9 +82,9 @@ def merge(
     if cache is None or mask is None:
         return new, new_mask
     width = max(mask.shape[1], new_mask.shape[1])
-    for layer, joining in zip(cache.layers, new.layers, strict=True):
-        keys = torch.cat([_left_pad(layer.keys, width, 2), _left_pad(joining.keys, width, 2)])
-        values = torch.cat([_left_pad(layer.values, width, 2), _left_pad(joining.values, width, 2)])
+    for (layer, k, v), (_, jk, jv) in zip(_filled(cache), _filled(new), strict=True):
+        keys = torch.cat([_left_pad(k, width, 2), _left_pad(jk, width, 2)])
+        values = torch.cat([_left_pad(v, width, 2), _left_pad(jv, width, 2)])
         _assign(layer, keys, values)
     return cache, torch.cat([_left_pad(mask, width, 1), _left_pad(new_mask, width, 1)])
 
@@ -87,8 +96,8 @@ def select(
     index = torch.tensor(rows)
     mask = mask[index]
     lead = int((mask.cumsum(1) == 0).sum(1).min())
-    for layer in cache.layers:
-        _assign(layer, layer.keys[index, :, lead:], layer.values[index, :, lead:])
+    for layer, keys, values in _filled(cache):
+        _assign(layer, keys[index, :, lead:], values[index, :, lead:])
     return cache, mask[:, lead:]
 
 
@@ -96,8 +105,8 @@ def expand(
     cache: DynamicCache, mask: torch.Tensor, index: torch.Tensor
 ) -> tuple[DynamicCache, torch.Tensor]:
     """Rows ``index`` of the batch (repeats allowed: requests sharing a prefilled prompt)."""
-    for layer in cache.layers:
-        _assign(layer, layer.keys[index], layer.values[index])
+    for layer, keys, values in _filled(cache):
+        _assign(layer, keys[index], values[index])
     return cache, mask[index]
 
 
@@ -116,11 +125,23 @@ def move(cache: DynamicCache, device: torch.device | str) -> None:
     for layer in cache.layers:
         if isinstance(layer, GrowingLayer):
             layer.to(device)
-        elif layer.is_initialized:
-            layer.keys, layer.values = layer.keys.to(device), layer.values.to(device)
+        else:
+            assert isinstance(layer, CacheLayerMixin)  # attention layers only, as in _filled
+            if layer.is_initialized:
+                assert layer.keys is not None and layer.values is not None
+                layer.keys, layer.values = layer.keys.to(device), layer.values.to(device)
 
 
-def _assign(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+def _filled(cache: DynamicCache) -> Iterator[tuple[CacheLayerMixin, torch.Tensor, torch.Tensor]]:
+    """Each layer with its keys and values: the engine's models (``FastForward.supports`` or
+    the HF forward over full attention) fill every layer of a cache they ran over."""
+    for layer in cache.layers:
+        assert isinstance(layer, CacheLayerMixin), type(layer)
+        assert layer.keys is not None and layer.values is not None, "an unfilled cache layer"
+        yield layer, layer.keys, layer.values
+
+
+def _assign(layer: CacheLayerMixin, keys: torch.Tensor, values: torch.Tensor) -> None:
     if isinstance(layer, GrowingLayer):
         layer.assign(keys, values)
     else:

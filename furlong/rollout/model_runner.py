@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file
+from transformers import PreTrainedModel
 
 from furlong.errors import InputError
 from furlong.models.fast_forward import FastForward
@@ -50,7 +51,7 @@ class SequenceState(Protocol):
 class ModelRunner:
     """Runs the passes of an in-process HF model and changes its weights."""
 
-    def __init__(self, model: torch.nn.Module, fast_forward: bool = True):
+    def __init__(self, model: PreTrainedModel, fast_forward: bool = True):
         """``fast_forward``: run dense Qwen3/Qwen2/Llama models through :class:`FastForward`
         (same logits, less per-step overhead); other models always use the HF forward."""
         self.model = model.eval()
@@ -63,7 +64,7 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- passes
 
-    def prefill(self, joining: list[SequenceState]) -> Prefilled:
+    def prefill(self, joining: Sequence[SequenceState]) -> Prefilled:
         """Prefill prompt + output so far (a retracted request recomputes its prefix)."""
         seqs = [r.prompt + r.output for r in joining]
         width = max(map(len, seqs))
@@ -126,7 +127,7 @@ class ModelRunner:
         return ids, mask
 
     def decode(
-        self, cache: Any, mask: torch.Tensor, last: list[int], running: list[SequenceState]
+        self, cache: Any, mask: torch.Tensor, last: list[int], running: Sequence[SequenceState]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each running row its newest token; returns the next logits ``[B, V]`` (fp32)
         and the mask grown by one position."""
@@ -158,7 +159,7 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- routed experts
 
-    def _collect_routing(self, requests: list[SequenceState], first: list[int]) -> None:
+    def _collect_routing(self, requests: Sequence[SequenceState], first: list[int]) -> None:
         """Append each asking request's routed-expert rows of the last forward pass, from its
         row ``first`` on (past the left padding, and past rows it already holds)."""
         if not _wants_routing(requests):
@@ -267,7 +268,7 @@ def _routed(request: SequenceState) -> int:
     return sum(int(rows.shape[0]) for rows in request.routing)
 
 
-def _wants_routing(requests: list[SequenceState]) -> bool:
+def _wants_routing(requests: Sequence[SequenceState]) -> bool:
     return any(r.params.return_routed_experts for r in requests)
 
 

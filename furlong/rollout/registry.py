@@ -14,12 +14,13 @@ import copy
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from furlong.errors import InputError
 from furlong.rollout.base import protocol_members
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 E = TypeVar("E")
 
@@ -34,14 +35,14 @@ ENGINES: dict[str, str | type] = {
 class EngineRequest:
     """What a front door knows when it asks for an engine."""
 
-    model: torch.nn.Module  # the weights the engine starts from (it serves them, or sends them)
+    model: PreTrainedModel  # the weights the engine starts from (it serves them, or sends them)
     tokenizer: Any
     max_running: int = 32  # requests at once (the embedded engine's slots)
     private: bool = False  # True: never share the model's tensors (the caller trains them)
     # the kind's own settings, each named as its config field: urls, staging_dir, timeout, ...
     options: Mapping[str, Any] = field(default_factory=dict)
 
-    def model_to_serve(self) -> torch.nn.Module:
+    def model_to_serve(self) -> PreTrainedModel:
         """The model an in-process engine runs: a copy when the caller trains its own."""
         return copy.deepcopy(self.model) if self.private else self.model
 
@@ -53,7 +54,7 @@ def register_engine(kind: str, engine: str | type) -> None:
     ENGINES[kind] = engine
 
 
-def engine_class(kind: object, need: type, where: str = "rollout.engine") -> type:
+def engine_class(kind: object, need: type, where: str = "rollout.engine") -> type[Any]:
     """The class of ``kind``, checked against the protocol ``need`` (``where``: the config
     field or flag that named the kind, for errors)."""
     if not isinstance(kind, str) or kind not in ENGINES:
@@ -65,7 +66,7 @@ def engine_class(kind: object, need: type, where: str = "rollout.engine") -> typ
             entry = getattr(importlib.import_module(module), name)
         except ImportError as e:  # an optional dependency (httpx, ray) is missing
             raise InputError(f"{where}: {kind!r} needs {e.name}, which is not installed") from e
-    cls = cast(type, entry)
+    cls = cast(type[Any], entry)
     missing = [m for m in protocol_members(need) if not _declares(cls, m)]
     if not hasattr(cls, "from_request"):
         missing.append("from_request")
@@ -80,7 +81,7 @@ def build_engine(
     kind: object, request: EngineRequest, need: type[E], where: str = "rollout.engine"
 ) -> E:
     """An engine of ``kind`` for ``request`` that provides ``need``."""
-    return cast(E, engine_class(kind, need, where).from_request(request))  # type: ignore[attr-defined]
+    return cast(E, engine_class(kind, need, where).from_request(request))
 
 
 def _declares(cls: type, member: str) -> bool:

@@ -7,8 +7,9 @@ forward pass, flattened over ``[batch, positions]``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -34,8 +35,8 @@ class RoutingRecorder:
             yield self
             return
 
-        def hook(index: int):
-            def save(_module, _inputs, outputs) -> None:
+        def hook(index: int) -> Callable[[torch.nn.Module, Any, Any], None]:
+            def save(_module: torch.nn.Module, _inputs: Any, outputs: Any) -> None:
                 self.layers[index] = outputs[2].detach().to(torch.int32)
 
             return save

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -61,8 +62,8 @@ class Sample:
             )
 
     @classmethod
-    def from_prompt(cls, prompt: Sequence[int] | torch.Tensor, **fields: object) -> Sample:
-        return cls(_ints(prompt), 0, torch.zeros(0), torch.zeros(0), **fields)  # type: ignore[arg-type]
+    def from_prompt(cls, prompt: Sequence[int] | torch.Tensor, **fields: Any) -> Sample:
+        return cls(_ints(prompt), 0, torch.zeros(0), torch.zeros(0), **fields)
 
     @property
     def prompt_length(self) -> int:
@@ -72,7 +73,7 @@ class Sample:
     def response(self) -> torch.Tensor:
         return self.tokens[self.prompt_length :]
 
-    def replace(self, **changes: object) -> Sample:
+    def replace(self, **changes: Any) -> Sample:
         return dataclasses.replace(self, **changes)
 
     def to_datum(self, **response: torch.Tensor) -> Datum:

@@ -29,9 +29,10 @@ def check_seed(seed: object, field: str = "seed") -> int:
     in ``[0, MAX_SEED]``. ``field`` names it in the :class:`InputError`."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise InputError(f"{field}: expected an integer, got {seed!r}")
-    if not 0 <= seed <= MAX_SEED:
+    value = int(seed)
+    if not 0 <= value <= MAX_SEED:
         raise InputError(f"{field}: must be in [0, {MAX_SEED}], got {seed}")
-    return int(seed)
+    return value
 
 
 def fit_max_tokens(

@@ -134,6 +134,7 @@ class SamplingMask:
             return NotImplemented
         return torch.equal(self._ids, other._ids) and torch.equal(self._offsets, other._offsets)
 
+    # unhashable, as it defines __eq__ (typeshed types object.__hash__ as a method, never None)
     __hash__ = None  # type: ignore[assignment]
 
     def __setattr__(self, name: str, value: object) -> None:

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from furlong.errors import InputError
 from furlong.rollout import sglang_wire as wire
-from furlong.rollout.base import MEMORY_TAGS, check_tags
+from furlong.rollout.base import MEMORY_TAGS, MemoryTag, check_tags
 from furlong.rollout.control import ControlPolicy, Unauthorized
 from furlong.rollout.engine import EmbeddedEngine
 from furlong.serving import read_json_object
@@ -190,7 +190,7 @@ def create_app(
     @control.post(BUCKET_ROUTE, max_body_size=_ANY_SIZE)  # capped below, with its own message
     async def update_bucket(
         request: Request, final: bool = True, weight_version: int | None = None
-    ):
+    ) -> dict:
         """furlong's bucketed publication across processes (SGLang's own tensor endpoint
         carries CUDA-IPC handles): the body is one safetensors blob; ``final=false`` buckets
         are copied without moving the weight version."""
@@ -349,7 +349,7 @@ def _request_ids(rid: Any, n: int, batch: bool) -> list[str]:
     return [f"{rid}_{i}" for i in range(n)] if batch else [str(rid)]
 
 
-def _tags(body: dict) -> list[str]:
+def _tags(body: dict) -> list[MemoryTag]:
     """SGLang's tags; ``null`` means all. ``cuda_graph`` has nothing to release here."""
     tags = body.get("tags")
     if not tags:  # null or []

@@ -23,10 +23,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
-import torch
 from safetensors.torch import save, save_file
 
 from furlong.errors import InputError
@@ -37,6 +36,8 @@ from furlong.rollout.base import (
     MemoryBytes,
     MemoryTag,
     PauseMode,
+    RolloutEngine,
+    SessionEngine,
     Weights,
     check_pause_mode,
     check_tags,
@@ -48,6 +49,9 @@ from furlong.rollout.base import (
 from furlong.rollout.control import ADMIN_TOKEN_ENV, Unauthorized
 from furlong.rollout.registry import EngineRequest
 from furlong.rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 T = TypeVar("T")
 
@@ -143,7 +147,7 @@ class SGLangClient:
         return client
 
     def _check_serves(
-        self, i: int, policy: torch.nn.Module, staging_dir: str | os.PathLike | None
+        self, i: int, policy: PreTrainedModel, staging_dir: str | os.PathLike | None
     ) -> None:
         """Server ``i`` answers and serves a model the policy's weights fit, as far as it says."""
         field, url = f"rollout.urls[{i}]", self.urls[i]
@@ -450,9 +454,21 @@ def _message(response: httpx.Response) -> str:
     return response.text
 
 
-def routed_experts_shape(policy: torch.nn.Module) -> tuple[int, int] | None:
+def routed_experts_shape(policy: PreTrainedModel) -> tuple[int, int] | None:
     """(router layers, top_k) of an MoE policy's routed-expert rows; None when dense."""
     routers = find_routers(policy)
     if not routers:
         return None
     return len(routers), int(policy.config.num_experts_per_tok)
+
+
+if TYPE_CHECKING:
+    # mypy holds the kind to each protocol it serves, signatures included (the registry's
+    # run-time check reads only the names); one function per protocol, so that an error names
+    # the missing or mismatched member
+
+    def _rollout(engine: SGLangClient) -> RolloutEngine:
+        return engine
+
+    def _session(engine: SGLangClient) -> SessionEngine:
+        return engine

@@ -113,7 +113,9 @@ def request_body(prompt: list[int], params: SamplingParams, request_id: str | No
     return body
 
 
-def sampling_params(sp: Any, top: Mapping[str, Any], eos_ids: Iterable[int], where: str):
+def sampling_params(
+    sp: Any, top: Mapping[str, Any], eos_ids: Iterable[int], where: str
+) -> SamplingParams:
     """``SamplingParams`` from one item's ``sampling_params`` dict and the request's top-level
     options (server side). Unsupported keys are rejected by name; every value is type-checked
     here, before SGLang's conventions are mapped (``top_k`` -1, tiny temperatures)."""
@@ -134,11 +136,12 @@ def sampling_params(sp: Any, top: Mapping[str, Any], eos_ids: Iterable[int], whe
     seed = sp.get("sampling_seed")
     stop = [] if sp.get("stop") is None else sp["stop"]
     ids = _token_ids(sp.get("stop_token_ids"), f"{where}.stop_token_ids")
+    stop_ids: tuple[int, ...] | None
     if flag(sp.get("ignore_eos"), f"{where}.ignore_eos"):
         stop_ids = tuple(ids or ())
     else:
         stop_ids = None if ids is None else tuple(sorted({*ids, *eos_ids}))
-    fields = dict(
+    fields: dict[str, Any] = dict(  # checked by SamplingParams, inside the try below
         max_tokens=integer(
             sp.get("max_new_tokens"), f"{where}.max_new_tokens", DEFAULT_MAX_NEW_TOKENS, 1
         ),

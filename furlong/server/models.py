@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from peft import PeftModel
+from transformers import PreTrainedModel
 
 from furlong.errors import InputError
 from furlong.models.loading import atomic_dir, load_model, publish_dir
@@ -111,7 +112,7 @@ class ModelPool:
     def names(self) -> list[str]:
         return list(self._bases)
 
-    def base(self, name: str) -> tuple[torch.nn.Module, Any]:
+    def base(self, name: str) -> tuple[PreTrainedModel, Any]:
         """The shared base model and tokenizer, for base-model sampling. Read-only: every
         training model on this base shares its weights, so it must not be mutated."""
         base = self._loaded(name)
@@ -196,7 +197,7 @@ class ModelPool:
             return
         model, tokenizer = load_model(base.spec, seed=self.seed, dtype=self.dtype)
         model.requires_grad_(False)
-        model.to(self.engine_config.device).eval()
+        model.to(self.engine_config.device).eval()  # type: ignore[arg-type]  # see RolloutActor
         tmp, final = atomic_dir(self.tokenizer_root / base.dir_name)
         try:
             tokenizer.save_pretrained(tmp)
@@ -289,8 +290,15 @@ class TrainingModel:
             if self._removed:
                 raise KeyError(self.model_id)
             if self._adapter is not None:
-                self.engine.model.set_adapter(self._adapter)
+                self._peft().set_adapter(self._adapter)
             yield
+
+    def _peft(self) -> PeftModel:
+        """An adapter's peft model (the base's, which its TrainingEngine trains)."""
+        assert isinstance(self.engine, TrainingEngine)  # _create_lora: one engine, in process
+        model = self.engine.model
+        assert isinstance(model, PeftModel)
+        return model
 
     def lora_config(self) -> dict:
         return self.lora.as_dict() if self.lora is not None else {}
@@ -311,7 +319,7 @@ class TrainingModel:
     def _resume(self) -> None:
         self._lock.acquire()
         if self._adapter is not None:
-            self.engine.model.set_adapter(self._adapter)
+            self._peft().set_adapter(self._adapter)
 
     def optim_step(self, adam: AdamParams) -> dict[str, float]:
         with self._active():
@@ -333,13 +341,17 @@ class TrainingModel:
     def save_sampler_weights(self, path: Path) -> None:
         """A weights snapshot for ``sampling_model``, atomically: for LoRA a peft adapter dir
         (adapter tensors + config, small), for a full fine-tune an HF model dir."""
-        meta = {"format": SNAPSHOT_FORMAT, "base_model": self.base_model, "model_id": self.model_id}
+        meta: dict[str, Any] = {
+            "format": SNAPSHOT_FORMAT,
+            "base_model": self.base_model,
+            "model_id": self.model_id,
+        }
         meta |= {"kind": "lora" if self.is_lora else "full", "lora": self.lora_config()}
         tmp, final = atomic_dir(path)
         try:
             with self._active():
                 if self._adapter is not None:
-                    peft_lora.save_adapter(tmp, self.engine.model, self._adapter)
+                    peft_lora.save_adapter(tmp, self._peft(), self._adapter)
                 else:  # HF model + tokenizer files (a rank group's rank 0 gathers the weights)
                     self.engine.export_hf(tmp)
             (tmp / SNAPSHOT_META).write_text(json.dumps(meta, indent=1))
@@ -366,7 +378,7 @@ def _snapshot_meta(path: Path) -> dict:
     return meta
 
 
-def sampling_model(pool: ModelPool, path: Path) -> tuple[torch.nn.Module, Any]:
+def sampling_model(pool: ModelPool, path: Path) -> tuple[PreTrainedModel, Any]:
     """``(model, tokenizer)``: a snapshot's weights for a rollout engine, independent of later
     training. A LoRA snapshot shares its base's weights and applies the adapter unmerged (it
     costs the adapter, never a base copy); a full fine-tune's is loaded whole. For the base
@@ -378,7 +390,8 @@ def sampling_model(pool: ModelPool, path: Path) -> tuple[torch.nn.Module, Any]:
     else:
         model, tokenizer = load_model(path, dtype=pool.dtype)
         model.requires_grad_(False)
-    return model.to(pool.engine_config.device).eval(), tokenizer
+    model.to(pool.engine_config.device)  # type: ignore[arg-type]  # in place; see RolloutActor
+    return model.eval(), tokenizer
 
 
 def snapshot_bytes(pool: ModelPool, path: Path) -> int:

@@ -41,6 +41,7 @@ _F32 = np.dtype("<f4")
 # max_bytes by at most ~32 MiB before the bomb is caught.
 _ZSTD_STEP = 1 << 10
 _TOPK_PAD = (0, -99999.0)  # the SDK's padding cell for rows with fewer than k entries
+_Wire = tuple["pb.DType.ValueType", np.ndarray]  # a tensor as sent: its wire dtype and data
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,9 @@ class SampledSeq:
     tokens: list[int]
     logprobs: list[float]  # one per token; the client maps an empty array to None
     stop_reason: Literal["stop", "length"]
-    topk: list[list[tuple[int, float]] | None] | None = None  # per token: (id, logprob) pairs
+    topk: Sequence[Sequence[tuple[int, float]] | None] | None = (
+        None  # per token: (id, logprob) pairs
+    )
 
 
 # ---------------------------------------------------------------- request
@@ -168,7 +171,7 @@ def _check_sizes(msg: pb.ForwardBackwardRequest, limits: Limits) -> None:
                 )
 
 
-def _chunk_tokens(chunk: pb.ModelInputChunk) -> int:
+def _chunk_tokens(chunk: pb.Chunk) -> int:
     return len(chunk.encoded_text.tokens) // 4 if chunk.WhichOneof("chunk") == "encoded_text" else 0
 
 
@@ -321,7 +324,7 @@ def encode_forward_backward_output(result: ForwardResult) -> bytes:
         for out in result.outputs
     ]
     names = sorted(set.intersection(*(set(o) for o in outputs))) if outputs else []
-    run: list[dict[str, tuple[int, np.ndarray]]] = []
+    run: list[dict[str, _Wire]] = []
     for out in outputs:
         if run and _signature(out, names) != _signature(run[0], names):
             _add_record(msg, run, names)
@@ -332,7 +335,7 @@ def encode_forward_backward_output(result: ForwardResult) -> bytes:
     return msg.SerializeToString()
 
 
-def _wire_array(value: torch.Tensor | np.ndarray) -> tuple[int, np.ndarray]:
+def _wire_array(value: torch.Tensor | np.ndarray) -> _Wire:
     """A tensor → (wire dtype, LE array): float32 unless bf16, int32 kept, other ints int64."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu()
@@ -346,12 +349,12 @@ def _wire_array(value: torch.Tensor | np.ndarray) -> tuple[int, np.ndarray]:
     return pb.DTYPE_INT64, value.astype(_I64)
 
 
-def _signature(out: dict[str, tuple[int, np.ndarray]], names: list[str]) -> list[tuple]:
+def _signature(out: dict[str, _Wire], names: list[str]) -> list[tuple]:
     return [(out[n][0], out[n][1].shape[1:]) for n in names]
 
 
 def _add_record(
-    msg: pb.ForwardBackwardOutput, run: list[dict[str, tuple[int, np.ndarray]]], names: list[str]
+    msg: pb.ForwardBackwardOutput, run: list[dict[str, _Wire]], names: list[str]
 ) -> None:
     record = msg.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(run))
     for name in names:
@@ -432,16 +435,16 @@ _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 def _topk(rows: Sequence[Sequence[tuple[int, float]] | None]) -> pb.TopkLogprobs | None:
     """Rows of (token, logprob) → a ``length × k`` block padded with ``_TOPK_PAD`` (an all-pad
     row decodes as None). The client decodes ``length == 0`` or ``k == 0`` as None: left unset."""
-    rows = [row or () for row in rows]
-    k = max((len(r) for r in rows), default=0)
-    if not rows or k == 0:
+    filled = [row or () for row in rows]
+    k = max((len(r) for r in filled), default=0)
+    if not filled or k == 0:
         return None
-    ids = np.full((len(rows), k), _TOPK_PAD[0], dtype=_I32)
-    lps = np.full((len(rows), k), _TOPK_PAD[1], dtype=_F32)
-    for t, row in enumerate(rows):
+    ids = np.full((len(filled), k), _TOPK_PAD[0], dtype=_I32)
+    lps = np.full((len(filled), k), _TOPK_PAD[1], dtype=_F32)
+    for t, row in enumerate(filled):
         for j, (token, logprob) in enumerate(row):
             ids[t, j], lps[t, j] = token, logprob
-    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(rows))
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=lps.tobytes(), k=k, length=len(filled))
 
 
 __all__ = [

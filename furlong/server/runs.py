@@ -81,6 +81,7 @@ class Runs:
             ttl = check_ttl(req.ttl_seconds)
             session_id = self.training.session_id(req.model_id)
             if req.path is None:  # the session's own snapshot: no checkpoint, gone with it
+                assert req.seq_id is not None  # submit checked it before calling prepare
                 path = self.sampling.session_snapshot_dir(session_id, req.model_id, req.seq_id)
 
                 def own(model: TrainingModel) -> dict:
@@ -138,8 +139,10 @@ class Runs:
                 return _load(*self._loadable(owner, req.path), optimizer=req.optimizer)
 
             return self.training.submit(owner, req.model_id or "", req.seq_id, fingerprint, prepare)
-        ref, source = self._loadable(owner, req.path)
         # mode B: create-via-load; the load is the new model's operation 0
+        if req.model_seq_id is None:
+            raise InputError("model_seq_id: required with session_id (create-via-load)")
+        ref, source = self._loadable(owner, req.path)
         self.sessions.check(owner, req.session_id)
         meta = self.state.read_run(ref.run_id) or {}
         base = req.base_model or meta["base_model"]

@@ -10,6 +10,7 @@ first tenant's sequences to end (which can take thousands of steps).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -69,7 +70,7 @@ class FairFeeder:
             except Exception as exc:  # noqa: BLE001 - the sequence's own future reports it
                 self._finish(tenant, item, None, exc)
                 continue
-            inner.add_done_callback(lambda f, t=tenant, i=item: self._finish(t, i, f, None))
+            inner.add_done_callback(functools.partial(self._finish, tenant, item, exc=None))
 
     def _finish(
         self, tenant: str, item: _Item, inner: Future | None, exc: BaseException | None

@@ -31,8 +31,11 @@ class SampleCaps:
 class ModelShape(Protocol):
     """What a request is checked against: the sampled model's vocabulary and context."""
 
-    vocab_size: int
-    context_length: int | None
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def context_length(self) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -85,29 +88,28 @@ def sampling_params(
     stop_strings: tuple[str, ...] = ()
     if sp.stop is not None:
         stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
-        if all(isinstance(s, int) for s in stops):
-            stop_ids = tuple(stops)  # [] -> never stop, not even at EOS
+        ids = [s for s in stops if isinstance(s, int)]
+        texts = [s for s in stops if isinstance(s, str)]
+        if len(ids) == len(stops):
+            stop_ids = tuple(ids)  # [] -> never stop, not even at EOS
             for j, t in enumerate(stop_ids):  # an id outside could never end a sequence
                 if not 0 <= t < engine.vocab_size:
                     raise InputError(
                         f"sampling_params.stop[{j}]: token id {t} outside [0, {engine.vocab_size})"
                     )
-        elif all(isinstance(s, str) for s in stops):
-            stop_strings = tuple(stops)
+        elif len(texts) == len(stops):
+            stop_strings = tuple(texts)
         else:
             raise InputError("sampling_params.stop: mixes strings and token ids")
-    base = dict(
-        max_tokens=max_tokens,
-        temperature=sp.temperature,
-        top_k=sp.top_k if sp.top_k > 0 else 0,
-        top_p=sp.top_p,
-        stop_token_ids=stop_ids,
-        stop=stop_strings,
-        top_logprobs=req.topk_sample_logprobs,
-    )
     return [
         SamplingParams(  # checks and names the remaining fields
-            **base,
+            max_tokens=max_tokens,
+            temperature=sp.temperature,
+            top_k=sp.top_k if sp.top_k > 0 else 0,
+            top_p=sp.top_p,
+            stop_token_ids=stop_ids,
+            stop=stop_strings,
+            top_logprobs=req.topk_sample_logprobs,
             seed=None if sp.seed is None else sp.seed + i,
             prompt_logprobs=bool(req.prompt_logprobs) and i == 0,
             prompt_top_logprobs=req.topk_prompt_logprobs if i == 0 else 0,
@@ -120,8 +122,8 @@ def sampling_params(
 def _tokens(model_input: tt.ModelInput, field_name: str) -> list[int]:
     tokens: list[int] = []
     for j, chunk in enumerate(model_input.chunks):
-        kind = getattr(chunk, "type", None)
-        if kind != "encoded_text":
+        if not isinstance(chunk, tt.EncodedTextChunk):  # the one chunk whose type is encoded_text
+            kind = getattr(chunk, "type", None)
             raise InputError(
                 f"{field_name}.chunks[{j}]: only encoded_text chunks are supported, got {kind}"
             )
@@ -166,6 +168,8 @@ def _target_ids(
         crow, col, row_of = _csr_indices(td, shape, values.size)
     elif values.size != rows * k:
         raise InputError(f"{_TARGET}.data: {values.size} values for shape {shape}")
+    else:
+        crow = col = row_of = np.zeros(0, dtype=np.int64)  # dense: no CSR indices
     bad = np.flatnonzero((values < -1) | (values >= engine.vocab_size))
     if bad.size:
         n = int(bad[0])  # the n-th value: a listed cell when sparse, row-major when dense
@@ -258,11 +262,13 @@ def sample_result(futures: list, scored_from: int) -> Any:
         for r in results
     ]
     first = results[0]
-    prompt_lp, prompt_top = first.prompt_logprobs, first.prompt_top_logprobs
-    if prompt_lp is not None:
-        prompt_lp = [None] * scored_from + prompt_lp[scored_from:]
-    if prompt_top is not None:
-        prompt_top = [None] * scored_from + prompt_top[scored_from:]
+    pad: list[None] = [None] * scored_from
+    prompt_lp: list[float | None] | None = None
+    prompt_top: list[list[tuple[int, float]] | None] | None = None
+    if first.prompt_logprobs is not None:
+        prompt_lp = [*pad, *first.prompt_logprobs[scored_from:]]
+    if first.prompt_top_logprobs is not None:
+        prompt_top = [*pad, *first.prompt_top_logprobs[scored_from:]]
     return proto.encode_sample_response(
         sequences, prompt_lp, prompt_top, first.prompt_target_logprobs
     )

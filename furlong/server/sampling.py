@@ -21,7 +21,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tinker import types as tt
 
@@ -36,6 +36,9 @@ from furlong.server.sample_request import SampleCaps, check_request, sample_resu
 from furlong.server.sessions import NotFound, Sessions
 from furlong.server.snapshot_cache import SnapshotCache
 from furlong.server.state import CheckpointRef, StateDir
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,7 @@ class Sampling:
         """A snapshot's engine (runs on the compute lane)."""
         return self._feeder(*sampling_model(self.pool, path))
 
-    def _feeder(self, model: Any, tokenizer: Any) -> FairFeeder:
+    def _feeder(self, model: PreTrainedModel, tokenizer: Any) -> FairFeeder:
         request = EngineRequest(model, tokenizer, max_running=self.config.sampler_slots)
         return FairFeeder(build_engine(self.config.engine, request, SamplingEngine))
 

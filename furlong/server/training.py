@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from tinker import types as tt
 
@@ -261,7 +261,9 @@ class TrainingRuns:
 
         return run.log.submit(seq, on_model, fingerprint)
 
-    def refuse(self, owner: str, fields: dict[str, Any], error: Exception, fingerprint: bytes):
+    def refuse(
+        self, owner: str, fields: dict[str, Any], error: Exception, fingerprint: bytes
+    ) -> None:
         """A seq-numbered request whose body failed validation: consume its ``seq_id`` when the
         body still names one of this owner's models and a usable ``seq_id``."""
         model_id, seq_id = fields.get("model_id"), fields.get("seq_id")
@@ -327,11 +329,11 @@ def optimizer_kind(config: Any) -> str:
     return kind
 
 
-def _is_seq(seq_id: object) -> bool:
+def _is_seq(seq_id: object) -> TypeGuard[int]:
     return isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id >= 1
 
 
 def _seq(seq_id: int | None) -> int:
     if not _is_seq(seq_id):
         raise InputError(f"seq_id: expected an integer >= 1, got {seq_id!r}")
-    return seq_id  # type: ignore[return-value]
+    return seq_id

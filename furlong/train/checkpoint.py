@@ -202,7 +202,7 @@ def optimizer_kind(meta: dict) -> str:
 
 def optimizer_state_dict(
     meta: dict, opt_tensors: dict[str, torch.Tensor], names: list[str], kind: str | None = None
-):
+) -> dict[str, Any]:
     """Rebuild ``optimizer.state_dict()`` in this process's parameter order; ``kind`` given:
     the optimizer kind it is for."""
     if kind is not None and optimizer_kind(meta) != kind:

@@ -18,11 +18,12 @@ import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
@@ -78,11 +79,18 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
-def full_weights(model: torch.nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """``names`` gathered whole on CPU on rank 0 (a collective; other ranks get ``{}``)."""
+def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model state gathered on CPU on rank 0 (a collective; other ranks get
+    ``{}``). A model's state is tensors; torch types it as any state-dict value."""
     full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
+    return cast(dict[str, torch.Tensor], full)
+
+
+def full_weights(model: torch.nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """``names`` gathered whole on CPU on rank 0 (a collective; other ranks get ``{}``)."""
+    full = _full_state(model)
     return {n: full[n] for n in names} if full else {}
 
 
@@ -169,18 +177,19 @@ def load_state(
     stored = {k.removeprefix("model."): s for k, s in sizes.items() if k.startswith("model.")}
     check_names_and_shapes(stored, weights, "checkpoint does not match the model")
     targets: dict[str, Any] = {"model": weights}
+    index = {n: i for i, n in enumerate(param_names)}
     if optimizer:
-        index = {n: i for i, n in enumerate(param_names)}
         opt: dict[str, torch.Tensor] = {}
         for name, keys in meta["optim_tensors"].items():
             p = params[index[name]]
             for key in keys:
-                stored = saved[f"optim.{name}.{key}"]
-                dtype = stored.properties.dtype
-                if tuple(stored.size) == tuple(p.shape):  # sharded like the parameter
+                entry = saved[f"optim.{name}.{key}"]
+                assert isinstance(entry, TensorStorageMetadata)  # saved from a tensor
+                dtype = entry.properties.dtype
+                if tuple(entry.size) == tuple(p.shape):  # sharded like the parameter
                     opt[f"{name}.{key}"] = torch.zeros_like(p.detach(), dtype=dtype)
                 else:
-                    opt[f"{name}.{key}"] = torch.zeros(tuple(stored.size), dtype=dtype)
+                    opt[f"{name}.{key}"] = torch.zeros(tuple(entry.size), dtype=dtype)
         targets["optim"] = opt
     dcp.load(targets, checkpoint_id=str(root))
     model.load_state_dict(weights)
@@ -202,9 +211,7 @@ def load_state(
 
 def export_hf(path: str | os.PathLike, model: torch.nn.Module, tokenizer: Any) -> Path:
     """Gather the full weights on rank 0 and write a normal HF directory from there."""
-    full = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    full = _full_state(model)
 
     def write() -> Path:
         dtype = next(t.dtype for t in full.values() if t.is_floating_point())

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from furlong.train.engine import EngineConfig, TrainingEngine
 from furlong.train.optim import build_optimizer
 from furlong.train.parallel import Results, collect_outputs
 from furlong.train.rank_split import rank_microbatches
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def init_distributed(
@@ -65,14 +68,14 @@ def init_distributed(
     return dist.get_rank(), dist.get_world_size()
 
 
-def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+def shard_model(model: PreTrainedModel, mesh: DeviceMesh) -> None:
     """``fully_shard`` every decoder layer, then the model; gradients reduce as raw sums."""
     layers = getattr(model.get_decoder(), "layers", None)
     if not layers:
         raise InputError(f"model: {type(model).__name__} has no decoder layers to shard")
     for layer in layers:
         fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    root = fully_shard(model, mesh=mesh)  # the model itself, its class swapped
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # Tinker semantics: sums, never means
@@ -82,7 +85,7 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> None:
     device = next(model.parameters()).device
     with torch.no_grad():
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
-    model.reshard()
+    root.reshard()
 
 
 class FSDPRanks:
@@ -117,7 +120,7 @@ class DistributedEngine(TrainingEngine):
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         tokenizer: Any = None,
         config: EngineConfig | None = None,
         mesh: DeviceMesh | None = None,
@@ -135,9 +138,10 @@ class DistributedEngine(TrainingEngine):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         device = torch.device(config.device)
         self.mesh = mesh or init_device_mesh(device.type, (self.world_size,))
-        model.to(device)
+        model.to(device)  # type: ignore[arg-type]  # in place; see ray_rollout.RolloutActor
         shard_model(model, self.mesh)
-        ranks = FSDPRanks(model, self.rank, self.world_size)  # type: ignore[arg-type]
+        assert isinstance(model, FSDPModule)  # fully_shard swapped its class
+        ranks = FSDPRanks(model, self.rank, self.world_size)
         super().__init__(model, tokenizer, config, parallel=ranks)
 
     # ---------------------------------------------------------------- weights and state

@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -47,6 +47,16 @@ from furlong.train.routing_replay import check_routing, forced_rows, replay_rout
 from furlong.train.turns import turn_point
 from furlong.train.validation import check_losses, validate_batch
 from furlong.types import AdamParams, Datum, ForwardResult
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+    # What a TrainingEngine trains: an HF causal LM, a peft model over one (LoRA adapters),
+    # or a critic. What the engine reads of it, all three have.
+    TrainedModel: TypeAlias = PreTrainedModel | PeftModel | ValueModel
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -95,11 +105,11 @@ class TrainingEngine(Trainer):
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: TrainedModel,
         tokenizer: Any = None,
         config: EngineConfig | None = None,
         trainable: Sequence[tuple[str, torch.nn.Parameter]] | None = None,
-        merged: Callable[[], torch.nn.Module] | None = None,
+        merged: Callable[[], PreTrainedModel] | None = None,
         parallel: Parallel | None = None,
     ):
         """``trainable``: a subset of the model's parameters (e.g. a LoRA adapter's) by name;
@@ -109,12 +119,16 @@ class TrainingEngine(Trainer):
         self.config = config or EngineConfig()
         self.parallel = parallel or OneProcess()
         self._merged = merged
-        self.model = model.to(self.config.device)
+        # in place (Module.to returns self). transformers wraps PreTrainedModel.to with
+        # functools.wraps(nn.Module.to), which typeshed types as the unbound function: self first
+        model.to(self.config.device)  # type: ignore[arg-type]
+        self.model = model
         self.tokenizer = tokenizer
         if getattr(model.config, "final_logit_softcapping", None):
             raise InputError("model: final logit soft-capping is not supported by the fused head")
-        if self.config.gradient_checkpointing:
-            self.model.activation_checkpointing_enable({"use_reentrant": False})
+        if self.config.gradient_checkpointing:  # a critic's trunk is its HF model (no LM head)
+            hf = model.trunk if isinstance(model, ValueModel) else model
+            hf.activation_checkpointing_enable({"use_reentrant": False})
         self.model.train()  # dropout is 0 in the supported families; one mode for both passes
         self.subset = trainable is not None
         if trainable is None:
@@ -129,7 +143,8 @@ class TrainingEngine(Trainer):
         # state tensors, in host memory; the live tensors are empty
         self.host_weights: dict[str, torch.Tensor] | None = None
         self._host_optim: list[dict[str, torch.Tensor]] = []
-        self.input_vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        embed: Any = self.model.get_input_embeddings()  # nn.Embedding, or a peft layer over one
+        self.input_vocab_size = int(embed.num_embeddings)
         # a critic has a value head instead of the LM head, and trains the value objective
         self.is_critic = isinstance(self.model, ValueModel)
         self.objectives = VALUE_OBJECTIVES if self.is_critic else OBJECTIVES
@@ -218,14 +233,12 @@ class TrainingEngine(Trainer):
         """One microbatch of ``call``'s datums ``group``; ``PADDING`` slots (which keep ranks
         in step) run a one-token datum whose mask is 0."""
         pad = padding_datum(call.datums[0]) if PADDING in group else None
-        datums = [pad if i == PADDING else call.datums[i] for i in group]
+        datums = _slots(call.datums, group, pad)
         mb = collate(datums, group, call.objective.inputs, self.pad_token_id, self.config.device)
         supports = None
         if call.supports is not None:  # a padding datum is scored over the full vocabulary
             pad_rows = None if pad is None else row_supports([pad], [None])[0]
-            supports = concat_supports(
-                [pad_rows if i == PADDING else call.supports[i] for i in group]
-            )
+            supports = concat_supports(_slots(call.supports, group, pad_rows))
         forced = None
         if call.routing is not None:
             routes = [None if i == PADDING else call.routing[i] for i in group]
@@ -306,11 +319,13 @@ class TrainingEngine(Trainer):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The head's per-row output (log-probs of the targets, or a critic's values), the
         objective's per-datum losses and their total."""
-        if self.is_critic:
-            head: torch.nn.Module = self.model.value_head
-            lp = self.model.head_values(hidden)
+        model = self.model
+        head: torch.nn.Module
+        if isinstance(model, ValueModel):  # self.is_critic
+            head = model.value_head
+            lp = model.head_values(hidden)
         else:
-            head = self.model.get_output_embeddings()
+            head = model.get_output_embeddings()  # not None: vocab_size came from it
             lp, _ = head_logprobs(
                 hidden,
                 head,
@@ -393,7 +408,9 @@ class TrainingEngine(Trainer):
         self._check_awake("export_hf")
         if self.tokenizer is None:
             raise InputError("export_hf: the engine has no tokenizer to export")
-        model = self.model if self._merged is None else self._merged()
+        # a plain engine trains a causal LM (a critic's engine has no tokenizer: rl.critic), an
+        # adapter's exports its merged model
+        model = cast("PreTrainedModel", self.model) if self._merged is None else self._merged()
         return save_hf_dir(model, self.tokenizer, path)
 
     def weights(self) -> Mapping[str, torch.Tensor]:
@@ -407,7 +424,7 @@ class TrainingEngine(Trainer):
         if self._merged is not None:  # the merged model's parameters, read without a copy
             from furlong.train.lora import merged_weights  # peft: only adapter engines need it
 
-            return merged_weights(self.model)
+            return merged_weights(cast("PeftModel", self.model))  # merged: an adapter engine
         return {n: p.detach() for n, p in zip(self.param_names, self.params, strict=True)}
 
     # ---------------------------------------------------------------- colocation
@@ -485,6 +502,19 @@ def movable_state(optimizer: Any, p: torch.nn.Parameter) -> dict[str, torch.Tens
     already lives off the device and stays where it is."""
     state = optimizer.state.get(p, {})  # get: indexing would add an empty entry
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not is_file_backed(v)}
+
+
+def _slots(items: Sequence[T], group: Sequence[int], pad: T | None) -> list[T]:
+    """``items[i]`` for each index ``i`` of ``group``, and ``pad`` (given when ``PADDING`` is
+    in ``group``) at the ``PADDING`` slots."""
+    out: list[T] = []
+    for i in group:
+        if i == PADDING:
+            assert pad is not None  # made whenever the group has a padding slot
+            out.append(pad)
+        else:
+            out.append(items[i])
+    return out
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:

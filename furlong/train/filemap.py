@@ -177,6 +177,7 @@ def _reserve(fd: int, nbytes: int, directory: Path) -> None:
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:
+        assert e.errno is not None  # posix_fallocate's errors always carry one
         if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
             raise OSError(
                 e.errno,

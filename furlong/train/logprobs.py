@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from furlong.errors import InputError
 
 DEFAULT_CHUNK_SIZE = 256
 CHUNK_BYTES = 128 * 2**20  # fp32 working set per chunk when the chunk size is chosen for you
+T = TypeVar("T")
 EntropyMode = Literal["none", "metric", "grad"]
 
 
@@ -92,7 +93,7 @@ def graph_connected_zero(logits: torch.Tensor) -> torch.Tensor:
     return logits.sum(dtype=torch.float32) * 0.0
 
 
-def _maybe_checkpoint(fn: Callable, *args: object, recompute: bool) -> object:
+def _maybe_checkpoint(fn: Callable[..., T], *args: object, recompute: bool) -> T:
     # Parameters captured by ``fn`` (the LM head) may need grad even when the inputs do not.
     if recompute and torch.is_grad_enabled():
         return checkpoint(fn, *args, use_reentrant=False)
@@ -298,8 +299,8 @@ class _LinearHeadLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,  # torch's context object: it also holds our fields (temperature, chunk_size)
         hidden: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
@@ -328,8 +329,8 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         return torch.cat(lps), entropy
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, grad_lp: torch.Tensor, _grad_entropy: object
+    def backward(
+        ctx: Any, grad_lp: torch.Tensor, _grad_entropy: object
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         temperature = ctx.temperature

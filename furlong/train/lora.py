@@ -19,6 +19,7 @@ import re
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -26,7 +27,7 @@ from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
 from furlong.errors import InputError
 from furlong.train import checkpoint as ckpt
@@ -73,7 +74,7 @@ class LoraSpec:
         }
 
 
-def peft_config(model: torch.nn.Module, spec: LoraSpec) -> LoraConfig:
+def peft_config(model: PreTrainedModel, spec: LoraSpec) -> LoraConfig:
     """Targets found in ``model`` (a plain HF causal LM) for ``spec``."""
     modules: set[str] = set()
     params: set[str] = set()
@@ -163,7 +164,7 @@ def save_adapter(out: Path, peft_model: PeftModel, name: str) -> None:
     peft_model.peft_config[name].save_pretrained(str(out))
 
 
-def adapted_view(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
+def adapted_view(base: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel:
     """A model of ``base``'s class whose weights *are* ``base``'s, with the adapter of
     ``adapter_dir`` applied unmerged (peft's LoRA layers): it costs the adapter's tensors, never
     a copy of the base, and later training of other adapters on the base cannot change it."""
@@ -174,7 +175,7 @@ def adapted_view(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
         model = get_peft_model(share_weights(base), config, adapter_name=name)
     ckpt.check_tensors(dict(adapter_params(model, name)), tensors)
     set_peft_model_state_dict(model, tensors, adapter_name=name)
-    view = model.get_base_model()  # the HF model with the LoRA layers in it
+    view = cast(PreTrainedModel, model.get_base_model())  # the HF model, LoRA layers in it
     view.requires_grad_(False)
     return view
 
@@ -185,7 +186,7 @@ def adapter_file_bytes(adapter_dir: Path) -> int:
     return ckpt.safetensors_bytes(adapter_dir / WEIGHTS_FILE)
 
 
-def merged_model(peft_model: PeftModel) -> torch.nn.Module:
+def merged_model(peft_model: PeftModel) -> PreTrainedModel:
     """A plain HF model with the active adapter merged (for an HF export). Merged on a copy:
     merging in place and unmerging afterwards would leave round-off in the trained weights.
     A rollout engine takes :func:`merged_weights` instead, which copies no model."""
@@ -242,7 +243,7 @@ class _MergedWeights(Mapping[str, torch.Tensor]):
         return len(self._weights)
 
 
-def merge(model: PeftModel) -> torch.nn.Module:
+def merge(model: PeftModel) -> PreTrainedModel:
     """Merge the active adapter of ``model`` (a copy the caller owns: it is merged in place) and
     return the plain model. Every merge goes through here, so tied embeddings stay correct."""
     with torch.no_grad():
@@ -257,14 +258,14 @@ def untie_for_merge(model: PeftModel) -> bool:
     of them (True), so a merge moves only the layer the adapter is on: merging into the shared
     weight would move both, while the adapter model embeds with the base weight (and vice
     versa). Otherwise they stay tied (no copy). Call it on a copy: it replaces a parameter."""
-    base = model.get_base_model()
+    base = cast(PreTrainedModel, model.get_base_model())  # peft annotates an nn.Module
     inputs, head = base.get_input_embeddings(), base.get_output_embeddings()
     if inputs is None or head is None or not (_adapted(inputs) or _adapted(head)):
         return False
     return _untie(_base_layer(inputs), _base_layer(head), base.config, requires_grad=False)
 
 
-def untie_embeddings(model: torch.nn.Module) -> bool:
+def untie_embeddings(model: PreTrainedModel) -> bool:
     """Give a tied LM head its own copy of the embedding (True if it was tied): before a LoRA
     adapts the head, which then stops equalling the embedding, so that the trainer, the rollout
     engine and an export all hold the two as separate weights."""
@@ -279,6 +280,7 @@ def _untie(
 ) -> bool:
     """``head`` gets a copy of the weight it shares with ``inputs`` (False if it shares none)."""
     weight = inputs.weight
+    assert isinstance(weight, torch.Tensor) and isinstance(head.weight, torch.Tensor)  # Parameters
     if weight is not head.weight and weight.data_ptr() != head.weight.data_ptr():
         return False
     head.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=requires_grad)

@@ -108,7 +108,7 @@ class Muon(torch.optim.Optimizer):
                     raise ValueError(f"Muon: parameters must be 2-D or 3-D, got {tuple(p.shape)}")
 
     @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
+    def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -58,28 +58,30 @@ def _clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, cfg: Config) -> t
     return -torch.minimum(ratio * adv, clipped * adv)
 
 
-def cross_entropy(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor):
+def cross_entropy(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor) -> torch.Tensor:
     return -x["weights"] * lp
 
 
-def importance_sampling(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor):
+def importance_sampling(
+    lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor
+) -> torch.Tensor:
     return -_ratio(lp, x) * x["advantages"]
 
 
-def ppo(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor):
+def ppo(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor) -> torch.Tensor:
     return _clipped_objective(_ratio(lp, x), x["advantages"], cfg)
 
 
-def cispo(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor):
+def cispo(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor) -> torch.Tensor:
     clipped = _ratio(lp, x).clamp(cfg["clip_low_threshold"], cfg["clip_high_threshold"])
     return -clipped.detach() * lp * x["advantages"]
 
 
-def dro(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor):
+def dro(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor) -> torch.Tensor:
     return -(lp * x["advantages"] - 0.5 * cfg["beta"] * (lp - x["logprobs"]) ** 2)
 
 
-def gspo(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor):
+def gspo(lp: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor) -> torch.Tensor:
     """GSPO-token: each row's ratio has its datum's sequence-ratio value and its own gradient."""
     marked = (x["sequence_ratio_mask"] != 0).to(lp.dtype)  # [R] 1 where the token is in M
     per_datum = torch.zeros_like(lp)  # [R] >= the datum slots, no sync
@@ -105,7 +107,7 @@ def value_loss(
     return 0.5 * weights * torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def value(v: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor):
+def value(v: torch.Tensor, x: Inputs, cfg: Config, segment: torch.Tensor) -> torch.Tensor:
     clip = cfg["value_clip"] or None  # 0: off
     return value_loss(v, x["returns"], x["old_values"], x["weights"], clip)[0]
 

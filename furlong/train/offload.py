@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.optim.optimizer import _get_scalar_dtype  # the dtype torch gives Adam's step
@@ -162,7 +162,9 @@ class DiskStore:
             state[key] = mapped.to(device, copy=True)  # copy: also on CPU, when forced
         return host
 
-    def _chunks(self, part: torch.optim.Optimizer, live: list[torch.Tensor]):
+    def _chunks(
+        self, part: torch.optim.Optimizer, live: list[torch.Tensor]
+    ) -> Iterator[list[torch.Tensor]]:
         """Consecutive parameters up to ``chunk_bytes`` of state; one parameter (a whole Muon
         matrix stack) is never split."""
         chunk: list[torch.Tensor] = []

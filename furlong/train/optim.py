@@ -125,7 +125,9 @@ def build_optimizer(
     return CompositeOptimizer(config.kind, params, parts, store)
 
 
-def apply_adam_params(optimizer: torch.optim.Optimizer | CompositeOptimizer, adam: AdamParams):
+def apply_adam_params(
+    optimizer: torch.optim.Optimizer | CompositeOptimizer, adam: AdamParams
+) -> None:
     for group in optimizer.param_groups:
         group["lr"] = adam.learning_rate
         group["weight_decay"] = adam.weight_decay

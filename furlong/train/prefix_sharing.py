@@ -64,7 +64,9 @@ def plan_prefixes(input_ids: torch.Tensor, lengths: list[int]) -> PrefixPlan | N
     n_prefix = len(prefixes)
     prefix_rows = [p + [0] * (width_p - len(p)) for p in prefixes]
     prefix_mask = [[1] * len(p) + [0] * (width_p - len(p)) for p in prefixes]
-    suffix_rows, suffix_mask, rows = [], [], []
+    suffix_rows: list[list[int]] = []
+    suffix_mask: list[list[int]] = []
+    rows: list[int] = []
     for j, s in enumerate(seqs):
         g, k = owner[j], plen[owner[j]]
         own = s[k:]
@@ -140,7 +142,9 @@ def shared_prefix_hidden(trunk: Trunk, plan: PrefixPlan) -> torch.Tensor:
     groups, width = plan.prefix_ids.shape
     positions = torch.arange(width, device=plan.prefix_ids.device).expand(groups, width)
     prefix = trunk(plan.prefix_ids, plan.prefix_mask, positions, cache)
-    cache.reorder_cache(plan.owner)  # index_select on the batch: differentiable
+    # index_select on the batch: differentiable. (transformers annotates torch.LongTensor, a
+    # legacy class no int64 Tensor is typed as)
+    cache.reorder_cache(plan.owner)  # type: ignore[arg-type]
     mask = torch.cat([plan.prefix_mask[plan.owner], plan.suffix_mask], dim=1)
     suffix = trunk(plan.suffix_ids, mask, plan.suffix_positions, cache)
     flat = torch.cat([prefix.reshape(-1, prefix.shape[-1]), suffix.reshape(-1, suffix.shape[-1])])

@@ -7,7 +7,7 @@ or an ``(ids, offsets)`` pair; ``train`` does not import ``rollout``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -24,6 +24,12 @@ def _csr(mask: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(torch.int64), offsets.to(torch.int64)
 
 
+@overload
+def row_supports(datums: Sequence[Datum], masks: Sequence[Any]) -> list[RowSupports]: ...
+@overload
+def row_supports(
+    datums: Sequence[Datum], masks: Sequence[Any] | None
+) -> list[RowSupports] | None: ...
 def row_supports(datums: Sequence[Datum], masks: Sequence[Any] | None) -> list[RowSupports] | None:
     """One RowSupports per datum (all rows of the datum), validated; None when no replay."""
     if masks is None:

@@ -12,7 +12,7 @@ position, as the rollout engine returns it for ``prompt + output[:-1]``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,8 +36,9 @@ def check_routing(
         raise InputError("routed_experts: the model has no MoE routers")
     if len(routing) != len(datums):
         raise InputError(f"routed_experts: {len(routing)} entries for {len(datums)} datums")
-    layers, top_k = len(routers), routers[0].top_k
-    experts = routers[0].num_experts
+    router: Any = routers[0]  # an HF TopKRouter; torch types module attributes Tensor | Module
+    layers, top_k = len(routers), router.top_k
+    experts = router.num_experts
     checked: list[torch.Tensor | None] = []
     for i, (d, rows) in enumerate(zip(datums, routing, strict=True)):
         if rows is None:
@@ -92,7 +93,7 @@ def replay_routing(model: torch.nn.Module, forced: torch.Tensor | None) -> Itera
             h.remove()
 
 
-def _force(layer: int, forced: torch.Tensor):
+def _force(layer: int, forced: torch.Tensor) -> Callable[[torch.nn.Module, Any, tuple], tuple]:
     def hook(module: torch.nn.Module, _inputs: Any, outputs: tuple) -> tuple:
         logits, _, own = outputs
         chosen = forced[:, layer].to(own.device)

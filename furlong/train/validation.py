@@ -139,8 +139,9 @@ def _check_datum(
                 f"expected {tuple(targets.shape)} (the shape of target_tokens)"
             )
         _check_values(i, key, value)
-    ratio_mask = d.loss_fn_inputs.get("sequence_ratio_mask")
-    if "sequence_ratio_mask" in objective.inputs and not bool((ratio_mask != 0).any()):
+    if "sequence_ratio_mask" in objective.inputs and not bool(
+        (d.loss_fn_inputs["sequence_ratio_mask"] != 0).any()  # present: checked above
+    ):
         raise InputError(
             f"datum {i}: loss_fn_inputs['sequence_ratio_mask'] marks no token; "
             f"{objective.name}'s sequence ratio is a mean over the marked (nonzero) tokens"

@@ -167,6 +167,20 @@ def test_microbatch_budget_does_not_change_results() -> None:
     assert la == pytest.approx(lb, rel=1e-6)
 
 
+def test_gradient_checkpointing_checkpoints_the_trunk() -> None:
+    """``gradient_checkpointing`` on a critic checkpoints its trunk (the HF model; the
+    ValueModel itself has no such switch) and changes no loss or gradient."""
+    datums, returns, old, weights = batch(LENGTHS, seed=3)
+    model = critic_from_pretrained("tiny-qwen3")
+    checkpointed = TrainingEngine(model, None, EngineConfig(gradient_checkpointing=True))
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.trunk.modules())
+    plain = make()
+    la = train(plain, datums, returns, old, weights)["loss:sum"]
+    lb = train(checkpointed, datums, returns, old, weights)["loss:sum"]
+    assert la == pytest.approx(lb, rel=1e-6)
+    assert_close_dicts(grads(plain), grads(checkpointed), rel=1e-6)
+
+
 def test_gradients_accumulate_across_calls() -> None:
     datums, returns, old, weights = batch(LENGTHS, seed=2)
     whole = make()

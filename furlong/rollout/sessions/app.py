@@ -86,7 +86,9 @@ def create_app(
 
     for exc_type, (status, kind) in _ERRORS.items():
 
-        async def handler(_request: Request, exc: Exception, s=status, k=kind) -> JSONResponse:
+        async def handler(
+            _request: Request, exc: Exception, s: int = status, k: str = kind
+        ) -> JSONResponse:
             return _error(s, k, str(exc.args[0]) if exc.args else type(exc).__name__)
 
         app.add_exception_handler(exc_type, handler)

@@ -3,9 +3,11 @@ default), and uvicorn."""
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from fastapi import FastAPI
 
-from furlong.rollout.base import SessionEngine
+from furlong.rollout.base import PauseMode, SessionEngine
 from furlong.rollout.control import ControlPolicy
 from furlong.rollout.registry import EngineRequest, build_engine, engine_class
 from furlong.rollout.sessions.app import create_app
@@ -27,7 +29,7 @@ def build(
     from furlong.models import load_model
 
     config = SessionServerConfig(
-        pause_mode=pause_mode,  # type: ignore[arg-type]  # validated by the config
+        pause_mode=cast(PauseMode, pause_mode),  # validated by the config
         routing_replay=routing_replay,
         model_name=model,
     )
@@ -44,10 +46,10 @@ def serve(
     port: int,
     pause_mode: str,
     policy: ControlPolicy,
-    **options: object,
+    **options: Any,  # build's keywords
 ) -> None:
     import uvicorn
 
-    app = build(model, pause_mode, policy=policy, **options)  # type: ignore[arg-type]
+    app = build(model, pause_mode, policy=policy, **options)
     print(f"furlong session-server: agents at http://{host}:{port}/sessions/{{id}}/v1", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
