@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
+import re
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
+from furlong import __version__
 from furlong.errors import InputError
 from furlong.models.pretrained import model_names
+from furlong.server.bounds import BOUNDS
+
+# Nothing heavy is imported at module level: `--help`, `--version` and a usage error answer
+# without torch (benchmarks/cli_startup.py); each command imports what it needs.
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -29,13 +37,21 @@ def train_config(
     from furlong.rl.scale import ScaleOut
 
     config, overrides = args.config, [*first, *args.overrides]
-    if config is not None and "=" in config and not config.endswith(".toml"):
+    if config is not None and _is_override(config):
         config, overrides = None, [*first, config, *args.overrides]  # only overrides were given
     flags = ScaleOut(args.trainer_ranks, args.ray, args.rollout_engines, args.ray_colocate)
     for name, value in dataclasses.asdict(flags).items():  # flags beat the file, as overrides
         if value != getattr(ScaleOut(), name):
             overrides.append(f"scale.{name}={json.dumps(value)}")
     return load_config(config_file or config, overrides)
+
+
+def _is_override(word: str) -> bool:
+    """The first positional is an override, not a config file: it has an ``=``, or it is
+    ``group.field`` with no such file (then the override parser names what is missing)."""
+    if word.endswith(".toml") or Path(word).exists():
+        return False
+    return "=" in word or "." in word
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -98,6 +114,9 @@ def _copy_pretrained(name: str, out: str) -> int:
 
 
 def _rollout_server(args: argparse.Namespace) -> int:
+    from furlong.models.names import check_model
+
+    check_model(args.model, "--model")  # before the imports below load torch
     from furlong.rollout.control import cli_policy
     from furlong.rollout.server import MAX_BUCKET_BYTES, serve
 
@@ -110,6 +129,9 @@ def _rollout_server(args: argparse.Namespace) -> int:
 
 
 def _session_server(args: argparse.Namespace) -> int:
+    from furlong.models.names import check_model
+
+    check_model(args.model, "--model")  # before the imports below load torch
     from furlong.rollout.control import cli_policy
     from furlong.rollout.sessions.serve import serve
 
@@ -129,8 +151,9 @@ def _session_server(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from furlong.server.main import serve
+    from furlong.server.main import parse_base_models, serve
 
+    parse_base_models(args.base_model or ["tiny-qwen3"])  # checked before serve loads torch
     serve(
         base_models=args.base_model or ["tiny-qwen3"],
         host=args.host,
@@ -150,19 +173,16 @@ def _serve(args: argparse.Namespace) -> int:
         optimizer_state_dir=args.optimizer_state_dir,
         jwt_auth=args.jwt_auth,
         rollout_engine=args.rollout_engine,
-        **{name: getattr(args, name) for name in BOUNDS if getattr(args, name) is not None},
+        **{name: getattr(args, name) for name in BOUNDS},
     )
     return 0
 
 
-# what one key and its sessions may hold in memory (ServiceConfig's fields of the same names)
-BOUNDS = {
-    "max_models_per_key": (int, "training models one API key may hold loaded (0: no limit)"),
-    "session_timeout": (float, "seconds of silence (no heartbeat) that end a session (0: never)"),
-    "snapshot_engines": (int, "sampler snapshot engines kept loaded (least recently used go)"),
-    "sampler_memory_mb": (int, "MB of snapshot weights they may hold (a LoRA's: its adapter)"),
-    "sampler_idle_s": (float, "seconds unused after which a snapshot engine goes (0: never)"),
-}
+def _listen_flags(parser: argparse.ArgumentParser, port: int) -> None:
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every one)"
+    )
+    parser.add_argument("--port", type=int, default=port, help="TCP port")
 
 
 def _control_flags(parser: argparse.ArgumentParser, routes: str, loader: str) -> None:
@@ -180,8 +200,49 @@ def _control_flags(parser: argparse.ArgumentParser, routes: str, loader: str) ->
     )
 
 
+class _Help(argparse.HelpFormatter):
+    """Each option's default in its help, where it has one worth saying (not None, not off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        quiet = action.default is None or action.default is False  # (0 == False: by identity)
+        if quiet or action.default == argparse.SUPPRESS or "default" in text:
+            return text
+        if action.option_strings or action.nargs in ("?", "*"):
+            return f"{text} (default: %(default)s)".lstrip()
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, with the closest flag or choice when one was mistyped."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(**kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}{self._did_you_mean(message)} (see --help)\n")
+
+    def _did_you_mean(self, message: str) -> str:
+        choice = re.search(r"invalid choice: '([^']*)'", message)
+        if choice:
+            words = [choice.group(1)]
+            known = [str(c) for a in self._actions if a.choices for c in a.choices]
+        elif message.startswith("unrecognized arguments:"):
+            words = message.partition(":")[2].split()
+            known = [o for a in self._actions for o in a.option_strings]
+        else:
+            return ""
+        for word in words:
+            close = difflib.get_close_matches(word.partition("=")[0], known, n=1)
+            if close:
+                return f"; did you mean {close[0]}?"
+        return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="furlong", description=__doc__)
+    parser = _Parser(prog="furlong", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"furlong {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="RL on a tiny offline model on CPU: watch accuracy rise")
@@ -221,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a seeded tiny preset, or the pretrained smollm2-135m, as an HF directory",
     )
     init.add_argument("--preset", required=True, choices=model_names())
-    init.add_argument("--out", required=True)
+    init.add_argument("--out", required=True, help="the HF directory to write (atomically)")
     init.add_argument("--seed", type=int, default=0, help="weights seed (tiny presets)")
     init.set_defaults(func=_init_model)
 
@@ -229,8 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rollout-server", help="serve the embedded rollout engine over SGLang's HTTP protocol"
     )
     rollout.add_argument("--model", default="tiny-qwen3", help="preset name or local HF dir")
-    rollout.add_argument("--host", default="127.0.0.1")
-    rollout.add_argument("--port", type=int, default=30000)
+    _listen_flags(rollout, 30000)  # SGLang's default port
     rollout.add_argument("--max-running", type=int, default=32, help="batch slots")
     rollout.add_argument("--seed", type=int, default=0, help="weights seed for a preset")
     _control_flags(rollout, "weights, pause, memory, abort", "/update_weights_from_disk")
@@ -247,8 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         "session-server", help="OpenAI-compatible sessions for agents, with token-level records"
     )
     sessions.add_argument("--model", default="tiny-qwen3-moe", help="preset or local HF dir")
-    sessions.add_argument("--host", default="127.0.0.1")
-    sessions.add_argument("--port", type=int, default=8000)
+    _listen_flags(sessions, 8100)  # beside serve's 8000
     sessions.add_argument(  # required: the R3 offsets depend on it (no silent default)
         "--pause-mode",
         choices=["abort", "in_place", "retract"],
@@ -272,8 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a served base model, repeatable; NAME is what clients ask for "
         "(e.g. Qwen/Qwen3-8B-Base=tiny-qwen3); default: tiny-qwen3",
     )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    _listen_flags(serve, 8000)
     serve.add_argument("--state-dir", default="furlong-state", help="checkpoints and runs")
     serve.add_argument("--api-keys-file", help="one accepted key per line (default: any tml-*)")
     serve.add_argument("--full-finetune", action="store_true", help="allow non-LoRA models")
@@ -317,14 +375,36 @@ def build_parser() -> argparse.ArgumentParser:
         default="embedded",
         help="the samplers' engine kind (furlong.rollout.registry; default: embedded)",
     )
-    for name, (kind, text) in BOUNDS.items():  # unset: ServiceConfig's default
-        serve.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
+    for name, bound in BOUNDS.items():
+        flag = "--" + name.replace("_", "-")
+        serve.add_argument(flag, type=bound.kind, default=bound.default, help=bound.help)
     serve.set_defaults(func=_serve)
     return parser
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags may follow the positionals (``furlong train X run.steps=2 --trainer-ranks 2``):
+    what the top-level parse leaves over is parsed again by the command's own parser, which
+    also makes a mistyped flag an error in that command's words."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if not rest:
+        return args
+    command = _commands(parser)[args.command]
+    words = argv[argv.index(args.command) + 1 :]
+    return command.parse_intermixed_args(words, argparse.Namespace(command=args.command))
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise AssertionError("furlong's parser has its commands")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         return args.func(args)
     except InputError as e:  # a user error: the message names what to change

@@ -1,12 +1,14 @@
 """Pieces the furlong HTTP front ends share: reading a JSON object body, stopping a handler's
-work when its client hangs up, and running an ASGI app on 127.0.0.1 in a background thread
-(for tests, notebooks and examples that want a real server without a second process)."""
+work when its client hangs up, running a server with a ready line once its port listens, and
+running an ASGI app on 127.0.0.1 in a background thread (for tests, notebooks and examples
+that want a real server without a second process)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -96,3 +98,22 @@ def background_server(app: Callable[..., Any], host: str = "127.0.0.1") -> Itera
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def run_announced(app: Any, host: str, port: int, ready: Callable[[str], str]) -> None:
+    """``uvicorn.run(app, host=host, port=port)``, and ``ready(url)`` to stderr as soon as the
+    socket listens (the URL has the bound port: ``port=0`` shows the one picked)."""
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)  # binds, or exits (uvicorn logs why)
+            if self.started:
+                bound = self.servers[0].sockets[0].getsockname()[1]
+                where = f"[{host}]" if ":" in host else host
+                print(ready(f"http://{where}:{bound}"), file=sys.stderr, flush=True)
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run: Ctrl-C is a normal stop
+        server.run()
+    if not server.started:  # as uvicorn.run: a failed start exits 3
+        sys.exit(3)

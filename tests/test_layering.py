@@ -51,3 +51,25 @@ def test_imports_follow_the_layers(path: Path) -> None:
         assert top not in OUTSIDE, f"{path.name} imports {name}"
         if top == "furlong" and rest:
             assert rest.split(".")[0] not in forbidden, f"{_part(path)}/ imports {name}"
+
+
+# What the CLI imports before a command runs: none of it may load torch or transformers, so
+# `furlong --help`, `--version` and usage errors answer at once (benchmarks/cli_startup.py).
+LIGHT = [
+    "furlong",
+    "furlong.cli",
+    "furlong.models.names",
+    "furlong.models.presets",
+    "furlong.models.pretrained",
+    "furlong.server.main",
+]
+
+
+@pytest.mark.parametrize("module", LIGHT)
+def test_the_cli_start_imports_no_framework(module: str) -> None:
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -3,12 +3,14 @@ into the cache), a local HF directory, or a hub id (the last only where a networ
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import re
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +19,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from furlong.atomic import fsync_path, fsync_tree, temp_sibling
 from furlong.errors import InputError
+from furlong.models.names import check_model, describe
 from furlong.models.presets import PRESETS, build_preset
-from furlong.models.pretrained import PRETRAINED, model_names, pretrained_dir
+from furlong.models.pretrained import PRETRAINED, pretrained_dir
 
 
 def _describe(spec: str) -> str:
-    return (
-        f"model {spec!r} is neither a preset ({', '.join(model_names())}), "
-        "a local HF directory, nor a reachable hub id"
-    )
+    """Why from_pretrained failed, in the words of the start-up check (furlong.models.names)."""
+    if Path(spec).is_dir():
+        return f"model {spec!r}: the HF directory does not load"
+    return f"model {spec!r} is {describe()}, and the hub cannot provide it"
 
 
 def resolve(spec: str | os.PathLike) -> str:
@@ -39,19 +42,17 @@ def load_model(
 ) -> tuple[PreTrainedModel, Any]:
     """``(model, tokenizer)`` for a model name, a local HF directory or a hub id."""
     spec = str(spec)
-    if not spec.strip():
-        raise InputError("model: empty name; give a preset, a local HF directory or a hub id")
     if spec in PRESETS:
         model, tokenizer = build_preset(spec, seed=seed)
         # in place (Module.to returns self). transformers wraps PreTrainedModel.to with
         # functools.wraps(nn.Module.to), which typeshed types as the unbound function: self first
         model.to(dtype)  # type: ignore[arg-type]
         return model, tokenizer
+    check_model(spec, "model")  # offline, an unknown name fails here, not after hub retries
     spec = resolve(spec)
-    if Path(spec).is_dir() and not (Path(spec) / "config.json").exists():
-        raise InputError(f"model {spec!r}: directory has no config.json (not an HF model dir)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+        with no_hf_bars():  # callers report loading in their own words (or stay quiet)
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
     except (OSError, ValueError) as exc:
         raise InputError(f"{_describe(spec)} ({exc})") from None
     return model, load_tokenizer(spec)
@@ -62,6 +63,8 @@ def load_tokenizer(spec: str | os.PathLike) -> Any:
     spec = str(spec)
     if spec in PRESETS:
         return build_preset(spec)[1]
+    if not Path(spec).is_dir():  # a directory may hold a tokenizer without a config.json
+        check_model(spec, "model")
     spec = resolve(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec)
@@ -223,11 +226,32 @@ def _scandir(path: Path) -> list[os.DirEntry]:
         return []
 
 
+@contextlib.contextmanager
+def no_hf_bars() -> Iterator[None]:
+    """transformers' progress bars ("Writing model shards") off for the block: a save takes
+    seconds and callers report it in their own words. What was set before is restored."""
+    from huggingface_hub import utils as hub
+    from transformers.utils import logging as hf_logging
+
+    if not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hub_bars = not hub.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # the hub's bars too: it sets both
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+        if not hub_bars:
+            hub.disable_progress_bars()
+
+
 def save_hf_dir(model: PreTrainedModel, tokenizer: Any, out: str | os.PathLike) -> Path:
     """Write a normal HF directory (config.json, safetensors, tokenizer files) atomically."""
     tmp, final = atomic_dir(out)
     try:
-        model.save_pretrained(tmp)
+        with no_hf_bars():
+            model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

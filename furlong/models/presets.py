@@ -1,23 +1,16 @@
 """Tiny models built from config with seeded random weights: transformers' own Qwen3 and Llama
-classes."""
+classes.
+
+The table imports nothing heavy (a config class is named, not imported), so the names are known
+to `furlong --help` and to model-name checks without loading torch or transformers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen3Config,
-    Qwen3MoeConfig,
-)
-
-from furlong.models.tokenizer import train_tokenizer
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 _ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 # the small dense shape (3.5 M parameters), shared by the Qwen3 and Llama presets
@@ -34,14 +27,16 @@ _SMALL = dict(
 @dataclass(frozen=True)
 class Preset:
     name: str
-    config_class: Callable[..., PretrainedConfig]  # a config class: called with the fields
+    config_class: str  # transformers' config class of the family, called with the fields
     config: dict[str, Any]
     description: str
     tokenizer_vocab: int = 2048  # BPE target; the corpus may support fewer merges
 
     def make_config(self, tokenizer: Any) -> PretrainedConfig:
+        import transformers
+
         # Pad the embedding to a multiple of 64 rows, as real checkpoints do.
-        return self.config_class(
+        return getattr(transformers, self.config_class)(
             vocab_size=-(-len(tokenizer) // 64) * 64,
             max_position_embeddings=2048,
             rope_theta=10_000.0,
@@ -59,13 +54,13 @@ PRESETS: dict[str, Preset] = {
     for p in (
         Preset(
             "tiny-qwen3",
-            Qwen3Config,
+            "Qwen3Config",
             dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, **_ATTENTION),
             "Qwen3 dense: hidden 64, 2 layers, vocab 768; tests and CI.",
         ),
         Preset(
             "tiny-qwen3-moe",
-            Qwen3MoeConfig,
+            "Qwen3MoeConfig",
             dict(
                 hidden_size=64,
                 intermediate_size=192,
@@ -81,13 +76,13 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "small-qwen3",
-            Qwen3Config,
+            "Qwen3Config",
             _SMALL,
             "Qwen3 dense: hidden 256, 4 layers, vocab 768; the CPU demo.",
         ),
         Preset(
             "small-llama",
-            LlamaConfig,
+            "LlamaConfig",
             _SMALL,
             "Llama dense: hidden 256, 4 layers, vocab 768; the Llama-style recipe.",
         ),
@@ -97,6 +92,11 @@ PRESETS: dict[str, Preset] = {
 
 def build_preset(name: str, seed: int = 0) -> tuple[PreTrainedModel, Any]:
     """A seeded random model and the offline tokenizer, without touching the global RNG."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from furlong.models.tokenizer import train_tokenizer
+
     preset = PRESETS[name]
     tokenizer = train_tokenizer(preset.tokenizer_vocab)
     config = preset.make_config(tokenizer)

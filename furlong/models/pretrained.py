@@ -155,11 +155,12 @@ def _save_fp32(gguf: Path, final: Path, meta: dict[str, object]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     # loading imports this module (the model names), so its publish helpers come in late
-    from furlong.models.loading import atomic_dir, publish_dir
+    from furlong.models.loading import atomic_dir, no_hf_bars, publish_dir
 
     where, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
-    quantized = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+    with no_hf_bars():  # _build says what happens, in its own lines
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+        quantized = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
     config = quantized.config
     del config.quantization_config  # save_pretrained refuses a GGUF-quantized model
     with torch.random.fork_rng(devices=[]):  # the throwaway init must not move the global RNG
@@ -169,7 +170,8 @@ def _save_fp32(gguf: Path, final: Path, meta: dict[str, object]) -> None:
     _chatml_ends(model, tokenizer)
     tmp, final = atomic_dir(final)
     try:
-        model.save_pretrained(tmp)
+        with no_hf_bars():
+            model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         meta |= {"parameters": sum(p.numel() for p in model.parameters())}
         (tmp / MARKER).write_text(json.dumps(meta, indent=1) + "\n")

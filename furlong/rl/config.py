@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from furlong.errors import InputError
+from furlong.models.names import check_model
 from furlong.rl.rollout_choice import check_choice
 from furlong.rl.scale import ScaleOut
 from furlong.rl.tasks import check_task
@@ -195,7 +196,9 @@ class RLConfig:
         _one_of("algo.advantage", a.advantage, ("grpo", "gae", "reinforce_pp"))
         _one_of("algo.objective", a.objective, ACTOR_OBJECTIVES)
         _one_of("algo.normalize", a.normalize, ("token", "sequence"))
-        check_task(self.task.name, self.task.reward)  # imports "module:function" plug-ins
+        check_task(self.task.name, self.task.reward, self.task.path)  # imports plug-ins
+        # fast and offline-safe: an unknown name fails here, not in hub retries at the load
+        check_model(self.model.name, "model.name", "set model.name=tiny-qwen3 or a local HF dir")
         _one_of("model.dtype", self.model.dtype, ("float32", "bfloat16"))
         device = self.model.device
         if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
@@ -306,10 +309,7 @@ def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RLConfig:
     """Defaults ← TOML file ← ``group.field=value`` overrides, then validated."""
-    raw: dict[str, dict[str, Any]] = {}
-    if path is not None:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
+    raw = {} if path is None else read_toml(path)
     for i, item in enumerate(overrides):
         key, sep, value = item.partition("=")
         group, dot, name = key.strip().partition(".")
@@ -324,6 +324,19 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise InputError(f"overrides[{i}]: {group}.{table} is not a table")
         inner[entry] = _literal(value.strip())
     return from_dict(raw).validate()
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A config file's tables; a missing or malformed file is the user's error, named."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise InputError(f"config file {str(path)!r}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"config file {str(path)!r}: is a directory, not a TOML file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"config file {str(path)!r}: not valid TOML ({e})") from None
 
 
 def to_toml(config: RLConfig) -> str:

@@ -125,7 +125,10 @@ def reverse(count: int = 3, held_out: float = 0.2) -> tuple[list[Problem], list[
 def jsonl(path: str | Path) -> tuple[list[Problem], list[Problem]]:
     train: list[Problem] = []
     held: list[Problem] = []
-    lines = Path(path).read_text().splitlines()
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:  # gone since the config was checked, or binary
+        raise InputError(f"task.path: cannot read {str(path)!r} ({e})") from None
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -148,6 +151,7 @@ TASKS = ("addition", "largest", "reverse", "jsonl")
 
 
 def build_task(name: str, reward: str, path: str = "", max_a: int = 99, max_b: int = 9) -> Task:
+    check_task(name, reward, path)
     verifier = resolve_reward(reward)
     if ":" in name:
         train, held = _plugin_problems(name, path, max_a, max_b)
@@ -157,24 +161,31 @@ def build_task(name: str, reward: str, path: str = "", max_a: int = 99, max_b: i
         train, held = largest(max_a)
     elif name == "reverse":
         train, held = reverse(max_a)
-    elif name == "jsonl":
-        if not path:
-            raise InputError("task.path: required for task.name = 'jsonl'")
-        train, held = jsonl(path)
     else:
-        raise InputError(f"task.name: unknown {name!r}; expected one of {list(TASKS)} or {_FORM}")
+        train, held = jsonl(path)
     random.Random(0).shuffle(held)  # any prefix (task.eval_size) is a fair sample
     return Task(name, train, held, verifier)
 
 
-def check_task(name: str, reward: str) -> None:
-    """Config-time check: built-in names exist, function paths import to callables (the task
-    function itself runs only in :func:`build_task`: it may read data)."""
+def check_task(name: str, reward: str, path: str = "") -> None:
+    """Config-time check: built-in names exist, function paths import to callables, the JSONL
+    file exists, and a path is not given to a task that reads none (the task function itself
+    runs only in :func:`build_task`: it may read data)."""
     resolve_reward(reward)
     if ":" in name:
-        load_function(name, "task.name")
+        load_function(name, "task.name")  # a plug-in receives task.path as is
     elif name not in TASKS:
         raise InputError(f"task.name: unknown {name!r}; expected one of {list(TASKS)} or {_FORM}")
+    elif name == "jsonl":
+        if not path:
+            raise InputError("task.path: required for task.name = 'jsonl'")
+        if not Path(path).is_file():
+            raise InputError(f"task.path: no such file {path!r} (relative to {Path.cwd()})")
+    elif path:
+        raise InputError(
+            f"task.path: task.name = {name!r} reads no file; "
+            "set task.name = 'jsonl' (or a plug-in) or leave task.path out"
+        )
 
 
 # ------------------------------------------------------------------ plug-ins

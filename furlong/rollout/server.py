@@ -369,11 +369,17 @@ def serve(
     policy: ControlPolicy,
     max_bucket_bytes: int = MAX_BUCKET_BYTES,
 ) -> None:
-    import uvicorn
-
+    from furlong.serving import run_announced
     from furlong.models import load_model
+    from furlong.models.names import check_model
 
+    check_model(model, "--model")
     net, tokenizer = load_model(model, seed=seed)
     engine = EmbeddedEngine(net, tokenizer, max_running=max_running)
     app = create_app(engine, model, policy=policy, max_bucket_bytes=max_bucket_bytes)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    run_announced(
+        app,
+        host,
+        port,
+        lambda url: f"furlong rollout-server: {model} on {url} (SGLang HTTP protocol)",
+    )

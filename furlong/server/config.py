@@ -14,6 +14,7 @@ from pathlib import Path
 from furlong.errors import InputError
 from furlong.rollout.base import SamplingEngine
 from furlong.rollout.registry import engine_class
+from furlong.server.bounds import BOUNDS
 from furlong.server.sample_request import SampleCaps
 from furlong.server.sampling import SamplingConfig
 from furlong.server.training import TrainingConfig
@@ -38,11 +39,12 @@ class ServiceConfig:
     gap_timeout: float = 600.0
     max_seq_ahead: int = 1 << 14  # a seq_id further ahead of the next one is refused
     sampler_slots: int = 32
-    snapshot_engines: int = 8  # sampler snapshot engines kept loaded (LRU) ...
-    sampler_memory_mb: int = 4096  # ... within this many MB of snapshot weights (LoRA: adapters)
-    sampler_idle_s: float = 600.0  # a snapshot engine unused this long is released (0: never)
-    session_timeout: float = 120.0  # a session silent this long ends (0: never; SDK beats: 10 s)
-    max_models_per_key: int = 16  # training models one API key may hold loaded (0: no limit)
+    # the memory bounds (bounds.py says what each means)
+    snapshot_engines: int = BOUNDS["snapshot_engines"].default
+    sampler_memory_mb: int = BOUNDS["sampler_memory_mb"].default
+    sampler_idle_s: float = BOUNDS["sampler_idle_s"].default
+    session_timeout: float = BOUNDS["session_timeout"].default
+    max_models_per_key: int = BOUNDS["max_models_per_key"].default
     compress_fwdbwd: bool = False  # ask clients to zstd forward_backward bodies
     fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request (client-side split)
     trainer_ranks: int = 1  # > 1: full fine-tunes train on that many FSDP2 ranks (LoRA: 1)
@@ -53,15 +55,9 @@ class ServiceConfig:
     rollout_engine: str = "embedded"  # the samplers' engine kind (furlong.rollout.registry)
 
     def __post_init__(self) -> None:
-        for name, least in (
-            ("max_models_per_key", 0),
-            ("session_timeout", 0),
-            ("snapshot_engines", 1),
-            ("sampler_memory_mb", 1),
-            ("sampler_idle_s", 0),
-        ):
-            if not getattr(self, name) >= least:
-                raise InputError(f"{name}: must be >= {least}, got {getattr(self, name)!r}")
+        for name, bound in BOUNDS.items():
+            if not getattr(self, name) >= bound.least:
+                raise InputError(f"{name}: must be >= {bound.least:g}, got {getattr(self, name)!r}")
         engine_class(self.rollout_engine, SamplingEngine, "rollout_engine")  # before any load
 
     def training(self) -> TrainingConfig:

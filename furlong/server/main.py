@@ -1,4 +1,7 @@
-"""Start ``furlong serve``: parse the served base models and keys, then run uvicorn."""
+"""Start ``furlong serve``: parse the served base models and keys, then run uvicorn.
+
+Importing this module is cheap (torch comes in with :func:`serve`), so the CLI checks the base
+models with :func:`parse_base_models` before anything heavy loads."""
 
 from __future__ import annotations
 
@@ -7,20 +10,22 @@ from pathlib import Path
 from typing import Any
 
 from furlong.errors import InputError
-from furlong.models.loading import resolve
-from furlong.server.app import create_app
-from furlong.server.config import ServiceConfig
-from furlong.server.service import Service
+from furlong.models.names import check_model
+
+DEFAULT_STATE_DIR = "furlong-state"  # the CLI's --state-dir default, relative to the cwd
 
 
 def parse_base_models(specs: list[str]) -> dict[str, str]:
-    """``NAME=PRESET|DIR`` (or a bare ``PRESET|DIR``, served under its own name)."""
+    """``NAME=PRESET|DIR`` (or a bare ``PRESET|DIR``, served under its own name); each source
+    must resolve (furlong.models.names), so an unusable one fails before the port opens."""
     out: dict[str, str] = {}
     for i, spec in enumerate(specs):
         name, sep, source = spec.partition("=")
         name, source = (name, source) if sep else (spec, spec)
         if not name or not source:
             raise InputError(f"--base-model[{i}]: {spec!r} is not NAME=PRESET|DIR")
+        hint = f"serve a preset under that name: --base-model {name}=tiny-qwen3"
+        check_model(source, f"--base-model[{i}]", hint)
         out[name] = source
     return out
 
@@ -28,7 +33,13 @@ def parse_base_models(specs: list[str]) -> dict[str, str]:
 def read_api_keys(path: str | None) -> frozenset[str] | None:
     if path is None:
         return None
-    keys = frozenset(line.strip() for line in Path(path).read_text().splitlines() if line.strip())
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise InputError(f"--api-keys-file: cannot read {path!r} ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"--api-keys-file: {path!r} is not text ({e})") from None
+    keys = frozenset(line.strip() for line in text.splitlines() if line.strip())
     if not keys:
         raise InputError(f"--api-keys-file: {path} lists no keys")
     return keys
@@ -55,8 +66,12 @@ def serve(
     rollout_engine: str = "embedded",
     **bounds: Any,
 ) -> None:
-    """``bounds``: ServiceConfig's memory bounds by name (cli.BOUNDS)."""
-    import uvicorn
+    """``bounds``: ServiceConfig's memory bounds by name (furlong.server.bounds)."""
+    from furlong.serving import run_announced
+    from furlong.models.loading import resolve
+    from furlong.server.app import create_app
+    from furlong.server.config import ServiceConfig
+    from furlong.server.service import Service
 
     keys = read_api_keys(api_keys_file)
     config = ServiceConfig(
@@ -92,11 +107,19 @@ def serve(
             "furlong serve: no --api-keys-file, so any tml-... key is accepted",
             file=sys.stderr,
         )
-    print(
-        f"furlong serve: {sorted(config.base_models)} on http://{host}:{port} "
-        f"(TINKER_BASE_URL), state in {state_dir}",
-        file=sys.stderr,
+    models, state = sorted(config.base_models), _where_state(state_dir)
+    run_announced(
+        create_app(service, keys, max_body_mb << 20),
+        host,
+        port,
+        lambda url: f"furlong serve: {models} on {url} (TINKER_BASE_URL), state in {state}",
     )
-    uvicorn.run(
-        create_app(service, keys, max_body_mb << 20), host=host, port=port, log_level="warning"
-    )
+
+
+def _where_state(state_dir: str) -> str:
+    """The state directory as an absolute path, and whether it is the default (which follows
+    the current directory)."""
+    where = str(Path(state_dir).resolve())
+    if state_dir == DEFAULT_STATE_DIR:
+        where += f" (default: ./{DEFAULT_STATE_DIR}; --state-dir to move it)"
+    return where

@@ -48,8 +48,17 @@ def serve(
     policy: ControlPolicy,
     **options: Any,  # build's keywords
 ) -> None:
-    import uvicorn
+    from furlong.serving import run_announced
+    from furlong.models.names import check_model
 
+    check_model(model, "--model")  # before the engine kind's and the model's imports
     app = build(model, pause_mode, policy=policy, **options)
-    print(f"furlong session-server: agents at http://{host}:{port}/sessions/{{id}}/v1", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    run_announced(
+        app,
+        host,
+        port,
+        lambda url: (
+            f"furlong session-server: {model} on {url} (OpenAI-compatible /v1 per "
+            f"session: {url}/sessions/{{id}}/v1)"
+        ),
+    )
