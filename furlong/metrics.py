@@ -16,7 +16,9 @@ import importlib
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from furlong.atomic import atomic_write_text, replacing
 from furlong.errors import InputError
 
 EVENTS_GLOB = "events.out.tfevents.*"
+HEARTBEAT_SECONDS = 30.0  # with progress bars off: a status line at most this often
 PANEL_IN = (4.4, 3.1)  # one panel's width and height in inches (at dpi 100)
 MAX_COLUMNS = 3  # 3 panels a row: ~13 in wide, fits a laptop screen
 
@@ -220,6 +223,32 @@ def _kept_lines(path: Path, last_step: int) -> list[str]:
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, float]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class Heartbeat:
+    """With progress bars off, long work still says where it is: a line on stderr when
+    ``every`` seconds (default ``HEARTBEAT_SECONDS``) have passed since the last one, e.g.
+    ``warm-up: step 40/150, loss 0.812 (31 s)``. Sparse, so a redirected log stays short."""
+
+    def __init__(
+        self,
+        name: str,
+        total: int,
+        every: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.name, self.total, self.clock = name, total, clock
+        self.every = HEARTBEAT_SECONDS if every is None else every
+        self._start = self._last = clock()
+
+    def tick(self, step: int, note: str = "") -> None:
+        now = self.clock()
+        if now - self._last < self.every:
+            return
+        self._last = now
+        detail = f", {note}" if note else ""
+        line = f"{self.name}: step {step}/{self.total}{detail} ({now - self._start:.0f} s)"
+        print(line, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- the plot

@@ -53,6 +53,9 @@ SLOW = (
     "tests/rl/test_loop.py::test_moe_with_top_p_and_kl_replays_masks_and_routes",
     "tests/rl/test_loop.py::test_muon_with_disk_state_and_colocation",
     "tests/rl/test_lora_train.py::test_a_lora_run_trains_the_adapter_and_exports_merged_and_adapter",
+    "tests/rl/test_adapter_base.py",
+    "tests/rl/test_warmup_log.py::test_a_crash_at_step_k_keeps_the_first_k_records",
+    "tests/rl/test_warmup_log.py::test_without_progress_bars_a_status_line_comes_every_interval",
     "tests/rl/test_plugins.py::test_a_run_logs_the_plugin_rewards",
     "tests/rl/test_plugins.py::test_the_documented_example_runs",
     "tests/rl/test_rollout_choice.py::test_a_fleet_samples_like_the_embedded_engine_and_takes_weights_everywhere",
@@ -62,6 +65,12 @@ SLOW = (
     # servers and CLIs in subprocesses (the two init-model tests share one fixture of them)
     "tests/test_cli.py::test_init_model_subprocess",
     "tests/test_cli.py::test_bad_preset_subprocess",
+    "tests/test_quiet_runs.py",
+    "tests/test_cli_model_names.py::test_serve_under_a_hub_name_starts_and_says_where_its_state_goes",
+    "tests/test_cli_model_names.py::test_rollout_server_ready_line_names_a_url_that_answers",
+    "tests/test_cli_model_names.py::test_session_server_ready_line_names_a_url_that_answers",
+    "tests/test_cli_errors.py",  # CLI processes; config errors import torch before failing  # init-model and a train run, checked for what they print
+    "tests/train/test_state_dir_cleanup.py",
     "tests/rollout/test_server.py::test_cli_serves_the_protocol",
     "tests/rollout/test_server.py::test_weights_published_across_the_process_boundary",
     "tests/server/test_sdk.py::test_cli_serves_the_sdk",

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from furlong.metrics import MetricsLog
     from furlong.rl.handoff import Colocation
 
 ADAPTER = "actor"  # the peft adapter's name in a LoRA run
@@ -70,9 +71,15 @@ class Parts:
         return warmup.evaluate(self.rollout, self.tokenizer, self.task, held_out, params, samples)
 
 
-def build_parts(config: RLConfig, scale: ScaleOut, saved: resume_mod.Checkpoint | None) -> Parts:
+def build_parts(
+    config: RLConfig,
+    scale: ScaleOut,
+    saved: resume_mod.Checkpoint | None,
+    warmup_log: MetricsLog | None = None,
+) -> Parts:
     """The run's parts, seeded by ``run.seed``; ``saved``: the checkpoint to resume from (its
-    states restored, the generator states last), None for a fresh run."""
+    states restored, the generator states last), None for a fresh run. ``warmup_log`` gets each
+    warm-up step's loss as it finishes."""
     m, t, ro = config.model, config.task, config.rollout
     rng = random.Random(config.run.seed)
     torch.manual_seed(config.run.seed)
@@ -90,7 +97,8 @@ def build_parts(config: RLConfig, scale: ScaleOut, saved: resume_mod.Checkpoint 
     losses: list[float] = []
     if config.warmup.steps and saved is None:  # a resumed run has its warm-up in the checkpoint
         engine = TrainingEngine(policy, tokenizer, engine_config)
-        losses = warmup.supervised_warmup(engine, task, config.warmup, rng, config.run.progress)
+        progress = config.run.progress
+        losses = warmup.supervised_warmup(engine, task, config.warmup, rng, progress, warmup_log)
     batch = ro.prompts_per_step * ro.group_size
     adapter, ray = None, None
     if scale.enabled:  # trainer ranks (with Ray, the engines' placement too) in other processes

@@ -27,7 +27,14 @@ from tqdm import tqdm
 from furlong import host_memory
 from furlong.atomic import atomic_write_text
 from furlong.errors import InputError
-from furlong.metrics import MetricsLog, Tracker, WandbSettings, plot_metrics, read_metrics
+from furlong.metrics import (
+    Heartbeat,
+    MetricsLog,
+    Tracker,
+    WandbSettings,
+    plot_metrics,
+    read_metrics,
+)
 from furlong.rl import advantages as adv
 from furlong.rl import resume as resume_mod
 from furlong.rl.build import ADAPTER, Parts, build_parts
@@ -75,14 +82,19 @@ def train(
     start = time.perf_counter()
     run, ro, samples = config.run, config.rollout, config.task.eval_samples
     out, tracker, log, rows = _open_run(config, saved)
-    parts = parts if parts is not None else build_parts(config, scale, saved)
-    _log_warmup(out, tracker, parts.warmup_losses)
+    if parts is None:
+        parts = _build_and_warm_up(config, scale, saved, out, tracker)
+    else:  # built (and warmed up) by the caller: its losses are logged now
+        _log_warmup(out, tracker, parts.warmup_losses)
     if saved is None:
         before = accuracy = parts.evaluate(samples)
         log.write(0, before)
     else:  # the step-0 and latest evaluations are in the kept metrics
         before, accuracy = _evaluations(rows)
     bar = _steps(run, 0 if saved is None else saved.step)
+    heartbeat = (
+        None if run.progress else Heartbeat("rl", run.steps)
+    )  # bars off: a line now and then
     watch = SignalWatch(config.algo.minibatches)
     for step in bar:
         tick = time.perf_counter()
@@ -107,12 +119,14 @@ def train(
         if pending is not None:  # complete once its step's metrics line is in the file
             resume_mod.commit(pending, config, step, parts.rng)
         bar.set_postfix(reward=f"{metrics['reward:mean']:.2f}", **_short(accuracy))
+        if heartbeat is not None:
+            heartbeat.tick(step, f"reward {metrics['reward:mean']:.2f}")
     watch.finish()
     _plot(config, out, log)
     tracker.close()
     hf_dir = _export(parts, out / "policy") if run.export_hf else None
     if run.export_adapter and parts.adapter is not None:
-        _export_adapter(parts.adapter, out / "policy_adapter")
+        _export_adapter(parts.adapter, out / "policy_adapter", _adapter_base(config, parts))
     parts.rollout.close()  # first: Ray trainer ranks release the placement group it is on
     parts.actor.close()
     return RunSummary(before, accuracy, run.steps, time.perf_counter() - start, out, hf_dir)
@@ -171,12 +185,18 @@ def _export(parts: Parts, path: Path) -> Path:
     return parts.actor.export_hf(path)
 
 
-def _export_adapter(adapter: PeftModel, path: Path) -> Path:
+def _adapter_base(config: RLConfig, parts: Parts) -> str | None:
+    """The exported adapter's base as the user named it (``model.name``). After a warm-up the
+    adapter sits on the warmed-up weights, which no name loads: then none is named."""
+    return config.model.name if parts.warmed_base is None else None
+
+
+def _export_adapter(adapter: PeftModel, path: Path, base_model: str | None) -> Path:
     from furlong.models.loading import atomic_dir, publish_dir
     from furlong.train import lora
 
     tmp, final = atomic_dir(path)
-    lora.save_adapter(tmp, adapter, ADAPTER)
+    lora.save_adapter(tmp, adapter, ADAPTER, base_model)
     publish_dir(tmp, final)
     return final
 
@@ -190,6 +210,24 @@ def _plot(config: RLConfig, out: Path, log: MetricsLog) -> None:
         title=f"furlong RL ({config.algo.advantage})",
         warmup_jsonl=warm_path if warm_path.is_file() else None,
     )
+
+
+def _build_and_warm_up(
+    config: RLConfig,
+    scale: ScaleOut,
+    saved: resume_mod.Checkpoint | None,
+    out: Path,
+    tracker: Tracker,
+) -> Parts:
+    """The parts; the warm-up's steps land in ``warmup.jsonl`` (and TensorBoard) as they
+    finish, so a crash or a reader mid-run sees them. A resumed run keeps its file."""
+    if not config.warmup.steps or saved is not None:
+        return build_parts(config, scale, saved)
+    warm_log = MetricsLog(out / "warmup.jsonl", tracker=tracker)
+    try:
+        return build_parts(config, scale, saved, warmup_log=warm_log)
+    finally:
+        warm_log.close()
 
 
 def _log_warmup(out: Path, tracker: Tracker, losses: list[float]) -> None:

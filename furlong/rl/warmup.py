@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from furlong.errors import InputError
+from furlong.metrics import Heartbeat, MetricsLog
 from furlong.rl.config import WarmupConfig
 from furlong.rl.episodes import generate_episodes, render_prompt
 from furlong.rl.tasks import Problem, Task
@@ -40,9 +41,12 @@ def supervised_warmup(
     config: WarmupConfig,
     rng: random.Random,
     progress: bool = False,
+    log: MetricsLog | None = None,
 ) -> list[float]:
     """``config.steps`` cross-entropy steps; the client-side normalization is per answer token.
-    Returns the per-step mean loss."""
+    Returns the per-step mean loss; ``log`` gets each step's ``{"loss": ...}`` (steps from 1)
+    as the step finishes, so a crash keeps the steps done. Without ``progress`` bars a line
+    every ``HEARTBEAT_SECONDS`` says how far it is."""
     if config.decoy_share and not all(p.decoy for p in task.train):
         raise InputError(
             f"warmup.decoy_share: {config.decoy_share} needs a decoy answer for every problem; "
@@ -50,8 +54,9 @@ def supervised_warmup(
         )
     adam = AdamParams(learning_rate=config.learning_rate)
     losses = []
-    bar = tqdm(range(config.steps), desc="warm-up", disable=not progress)
-    for _ in bar:
+    bar = tqdm(range(1, config.steps + 1), desc="warm-up", disable=not progress)
+    heartbeat = None if progress else Heartbeat("warm-up", config.steps)
+    for step in bar:
         problems = [
             _demonstration(p, config.decoy_share, rng) for p in task.sample(config.batch_size, rng)
         ]
@@ -60,7 +65,11 @@ def supervised_warmup(
         out = engine.forward_backward(batch, "cross_entropy")
         engine.optim_step(adam)
         losses.append(out.metrics["loss:sum"])
+        if log is not None:
+            log.write(step, {"loss": losses[-1]})
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if heartbeat is not None:
+            heartbeat.tick(step, f"loss {losses[-1]:.3f}")
     return losses
 
 

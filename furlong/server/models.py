@@ -351,7 +351,7 @@ class TrainingModel:
         try:
             with self._active():
                 if self._adapter is not None:
-                    peft_lora.save_adapter(tmp, self._peft(), self._adapter)
+                    peft_lora.save_adapter(tmp, self._peft(), self._adapter, self.base_model)
                 else:  # HF model + tokenizer files (a rank group's rank 0 gathers the weights)
                     self.engine.export_hf(tmp)
             (tmp / SNAPSHOT_META).write_text(json.dumps(meta, indent=1))

@@ -4,7 +4,8 @@ An allocation (:class:`FileAllocator`):
 
 1. creates a temp file in this process's directory
    ``<disk_dir>/optimizer_state/rank<NNNNN>-<host>-<pid>-<start>`` (set up once per process;
-   stale directories of dead processes on this host are purged then);
+   stale directories of dead processes on this host are purged then; removed, with
+   ``optimizer_state`` if nothing else is in it, when the process exits cleanly);
 2. reserves its blocks with ``posix_fallocate`` (``ftruncate`` only where the filesystem
    cannot), so a full disk fails here with ENOSPC, never later with SIGBUS on first touch;
 3. maps it MAP_SHARED, 4. unlinks it (the space shows in ``df``, not in ``du``), 5. marks the
@@ -16,6 +17,8 @@ dirty-page writeback leaves the checkpoint's own fsync) and counts the flushed b
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import errno
 import logging
@@ -116,7 +119,19 @@ def process_dir(disk_dir: str | os.PathLike) -> Path:
     path = root / name
     path.mkdir(exist_ok=False)  # unique per process: an existing one is another's (or a bug)
     _ready_dirs[key] = path
+    atexit.register(_remove_if_empty, path, pid)
     return path
+
+
+def _remove_if_empty(path: Path, pid: int) -> None:
+    """At exit: the process directory (its files are unlinked as they are mapped, so it is
+    empty unless an allocation was cut short) and ``optimizer_state`` if no other process's
+    directory is left in it. Never in a forked child: the directory is its parent's."""
+    if os.getpid() != pid:
+        return
+    for directory in (path, path.parent):
+        with contextlib.suppress(OSError):  # not empty, or already gone
+            directory.rmdir()
 
 
 # ---------------------------------------------------------------- file-backed tensors

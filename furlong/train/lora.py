@@ -156,12 +156,19 @@ def adapter_params(peft_model: torch.nn.Module, name: str) -> list[tuple[str, to
     return [(n.replace(marker, "."), p) for n, p in peft_model.named_parameters() if marker in n]
 
 
-def save_adapter(out: Path, peft_model: PeftModel, name: str) -> None:
-    """Write a standard peft adapter directory (``PeftModel.from_pretrained`` reads it)."""
+def save_adapter(
+    out: Path, peft_model: PeftModel, name: str, base_model: str | None = None
+) -> None:
+    """Write a standard peft adapter directory (``PeftModel.from_pretrained`` reads it) whose
+    ``base_model_name_or_path`` is ``base_model``, the base as the user named it (None: no
+    name; peft would record the loaded model's own, empty for a preset, a cache path for a
+    pretrained name, the original weights after a warm-up)."""
     # peft would add the whole LM head when it is a LoRA target ("auto"): the base has it.
     tensors = get_peft_model_state_dict(peft_model, adapter_name=name, save_embedding_layers=False)
     save_file(tensors, str(out / WEIGHTS_FILE))
-    peft_model.peft_config[name].save_pretrained(str(out))
+    config = copy.copy(peft_model.peft_config[name])  # the live model's stays as peft made it
+    config.base_model_name_or_path = base_model
+    config.save_pretrained(str(out))
 
 
 def adapted_view(base: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel:
