@@ -31,7 +31,13 @@ FAST = {  # answered without touching a model: repeated --rounds times
 SLOW = {  # a mistyped or unreachable model, offline: once per side (the baseline: minutes)
     "train model.name=tiny-qwen4": ["-m", "furlong", "train", "model.name=tiny-qwen4"],
     "serve --base-model Qwen/Qwen3-8B-Base": [
-        "-m", "furlong", "serve", "--base-model", "Qwen/Qwen3-8B-Base", "--port", "0",
+        "-m",
+        "furlong",
+        "serve",
+        "--base-model",
+        "Qwen/Qwen3-8B-Base",
+        "--port",
+        "0",
     ],
 }
 

@@ -65,11 +65,12 @@ SLOW = (
     # servers and CLIs in subprocesses (the two init-model tests share one fixture of them)
     "tests/test_cli.py::test_init_model_subprocess",
     "tests/test_cli.py::test_bad_preset_subprocess",
-    "tests/test_quiet_runs.py",
+    "tests/test_quiet_runs.py",  # init-model and a train run, checked for what they print
     "tests/test_cli_model_names.py::test_serve_under_a_hub_name_starts_and_says_where_its_state_goes",
     "tests/test_cli_model_names.py::test_rollout_server_ready_line_names_a_url_that_answers",
     "tests/test_cli_model_names.py::test_session_server_ready_line_names_a_url_that_answers",
-    "tests/test_cli_errors.py",  # CLI processes; config errors import torch before failing  # init-model and a train run, checked for what they print
+    "tests/test_cli_errors.py",  # CLI processes; config errors import torch before failing
+    "tests/train/test_group_cleanup.py",
     "tests/train/test_state_dir_cleanup.py",
     "tests/rollout/test_server.py::test_cli_serves_the_protocol",
     "tests/rollout/test_server.py::test_weights_published_across_the_process_boundary",

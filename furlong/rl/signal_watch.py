@@ -12,11 +12,21 @@ import sys
 from collections.abc import Mapping
 from typing import TextIO
 
+# Why not "warmup.steps=200": a warm-up from a clean teacher that stops on its learning curve's
+# steep part ends where the CPU's rounding puts it (the demo's old 150-step one: 0% held-out on
+# one machine, 54% on another; BENCHMARKS.md "Demo robustness"), so it may fix nothing. One that
+# converges to a mix of right and wrong answers works on any CPU: the demo's noisy teacher
+# (furlong/demo.py; tests/rl/test_signal_watch.py holds the numbers below to it).
 ADVICE = (
-    "most RL minibatches had no learning signal (every sample in each group got the same "
-    "reward), so they took no optimizer step. A policy that never succeeds needs a supervised "
-    "warm-up (warmup.steps, e.g. 200) or an easier task; one that always succeeds needs a "
-    "harder one. Check the reward with a few samples by hand."
+    "most RL minibatches had no learning signal: in every group all samples got the same "
+    "reward (all wrong, or all right), so they took no optimizer step. RL learns from groups "
+    "where some samples succeed and some fail. A policy that never succeeds needs a warm-up "
+    "that leaves it right part of the time on any CPU: a noisy teacher, as in "
+    "examples/rl/reverse.toml (warmup.steps=300 warmup.learning_rate=1e-3 "
+    "warmup.decoy_share=0.7; the task needs decoy answers). More warm-up steps without decoys "
+    "may end all wrong again, or all right, which has no signal either. A policy that always "
+    "succeeds needs a harder task; more samples per group (rollout.group_size) let a rare "
+    "success or failure show up. Check the reward on a few samples by hand."
 )
 
 

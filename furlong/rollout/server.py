@@ -369,9 +369,9 @@ def serve(
     policy: ControlPolicy,
     max_bucket_bytes: int = MAX_BUCKET_BYTES,
 ) -> None:
-    from furlong.serving import run_announced
     from furlong.models import load_model
     from furlong.models.names import check_model
+    from furlong.serving import run_announced
 
     check_model(model, "--model")
     net, tokenizer = load_model(model, seed=seed)

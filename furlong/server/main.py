@@ -67,11 +67,11 @@ def serve(
     **bounds: Any,
 ) -> None:
     """``bounds``: ServiceConfig's memory bounds by name (furlong.server.bounds)."""
-    from furlong.serving import run_announced
     from furlong.models.loading import resolve
     from furlong.server.app import create_app
     from furlong.server.config import ServiceConfig
     from furlong.server.service import Service
+    from furlong.serving import run_announced
 
     keys = read_api_keys(api_keys_file)
     config = ServiceConfig(

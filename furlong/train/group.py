@@ -164,23 +164,29 @@ class TrainerGroup(GroupAPI):
         spec = RankSpec(str(model), seed, dtype, config or EngineConfig(), backend, threads)
         self.world_size = ranks
         self._dir = tempfile.mkdtemp(prefix="furlong-group-")
-        init = f"file://{self._dir}/rendezvous"  # a file store: no port to pick or collide on
-        ctx = mp.get_context("spawn")
-        self._procs, self._conns = [], []
-        for rank in range(ranks):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_rank_main,
-                args=(spec, rank, ranks, init, child),
-                daemon=True,
-                name=f"furlong-rank-{rank}",
-            )
-            proc.start()
-            child.close()
-            self._procs.append(proc)
-            self._conns.append(parent)
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        # registered before the first rank starts: a start that fails part-way (a script
+        # without a __main__ guard fails in every spawned rank) stops the ranks started and
+        # removes the directory
         self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._dir)
         try:
+            init = f"file://{self._dir}/rendezvous"  # a file store: no port to pick or collide on
+            ctx = mp.get_context("spawn")
+            for rank in range(ranks):
+                parent, child = ctx.Pipe()
+                self._conns.append(parent)
+                proc = ctx.Process(
+                    target=_rank_main,
+                    args=(spec, rank, ranks, init, child),
+                    daemon=True,
+                    name=f"furlong-rank-{rank}",
+                )
+                try:
+                    proc.start()
+                finally:
+                    child.close()
+                self._procs.append(proc)
             self._replies()  # every rank has built its engine
             self.param_names: list[str] = self._call("param_names")
         except BaseException:

@@ -16,6 +16,7 @@ import copy
 import hashlib
 import itertools
 import re
+import warnings
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,7 +140,7 @@ def add_adapter(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if peft_model is None:
-            return get_peft_model(share_weights(base), config, adapter_name=name)
+            return _wrap(base, config, name)
         try:
             peft_model.add_adapter(name, config)
         except BaseException:
@@ -147,6 +148,17 @@ def add_adapter(
                 peft_model.delete_adapter(name)
             raise
     return peft_model
+
+
+def _wrap(base: torch.nn.Module, config: LoraConfig, name: str) -> PeftModel:
+    """peft's wrapper over a weight-sharing view of ``base``. peft 0.21 asks transformers 5
+    for ``is_gradient_checkpointing``, deprecated there: a FutureWarning on every model that no
+    user caused and none can act on, so it is silenced here alone."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        return get_peft_model(share_weights(base), config, adapter_name=name)
 
 
 def adapter_params(peft_model: torch.nn.Module, name: str) -> list[tuple[str, torch.nn.Parameter]]:
@@ -176,10 +188,11 @@ def adapted_view(base: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel:
     ``adapter_dir`` applied unmerged (peft's LoRA layers): it costs the adapter's tensors, never
     a copy of the base, and later training of other adapters on the base cannot change it."""
     config = LoraConfig.from_pretrained(str(adapter_dir))
+    config.base_model_name_or_path = None  # the file's name of its base is a label: base is it
     tensors = load_file(str(adapter_dir / WEIGHTS_FILE))
     name = "m_snapshot"
     with torch.random.fork_rng(devices=[]):  # peft initializes the adapter before the load
-        model = get_peft_model(share_weights(base), config, adapter_name=name)
+        model = _wrap(base, config, name)
     ckpt.check_tensors(dict(adapter_params(model, name)), tensors)
     set_peft_model_state_dict(model, tensors, adapter_name=name)
     view = cast(PreTrainedModel, model.get_base_model())  # the HF model, LoRA layers in it

@@ -48,8 +48,8 @@ def serve(
     policy: ControlPolicy,
     **options: Any,  # build's keywords
 ) -> None:
-    from furlong.serving import run_announced
     from furlong.models.names import check_model
+    from furlong.serving import run_announced
 
     check_model(model, "--model")  # before the engine kind's and the model's imports
     app = build(model, pause_mode, policy=policy, **options)
