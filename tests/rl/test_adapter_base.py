@@ -13,6 +13,7 @@ from furlong.models import build_preset
 from furlong.models.loading import save_hf_dir
 from furlong.rl.config import load_config
 from furlong.rl.loop import train
+from tests.rl.conftest import one_step_run
 
 pytestmark = pytest.mark.usefixtures("one_thread", "short_reward")
 IDS = torch.tensor([[5, 17, 300, 42, 9, 650]])
@@ -20,26 +21,9 @@ IDS = torch.tensor([[5, 17, 300, 42, 9, 650]])
 
 def adapter_run(tmp_path, model: str, *extra: str):
     out = tmp_path / "run"
-    config = load_config(
-        None,
-        [
-            f"model.name={model}",
-            "model.lora_rank=4",
-            "task.reward=short_text",
-            "task.eval_size=2",
-            "task.eval_samples=0",
-            "rollout.prompts_per_step=2",
-            "rollout.group_size=2",
-            "rollout.max_tokens=4",
-            "run.steps=1",
-            "run.export_hf=false",
-            "run.export_adapter=true",
-            "run.progress=false",
-            "run.tensorboard=false",
-            f"run.out_dir={out}",
-            *extra,
-        ],
-    )
+    lora = ["model.lora_rank=4", "task.reward=short_text", "run.export_adapter=true"]
+    overrides = one_step_run(out, f"model.name={model}", *lora, "run.tensorboard=false", *extra)
+    config = load_config(None, overrides)
     train(config)
     return out / "policy_adapter"
 

@@ -15,6 +15,7 @@ from furlong.metrics import Heartbeat, read_metrics
 from furlong.rl.config import load_config
 from furlong.rl.loop import train
 from furlong.train.engine import TrainingEngine
+from tests.rl.conftest import one_step_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 WARMUP_STEPS = 4
@@ -22,21 +23,7 @@ WARMUP_STEPS = 4
 
 def config(out: Path):
     return load_config(
-        None,
-        [
-            "model.name=tiny-qwen3",
-            f"warmup.steps={WARMUP_STEPS}",
-            "warmup.batch_size=4",
-            "task.eval_size=2",
-            "task.eval_samples=0",
-            "rollout.prompts_per_step=2",
-            "rollout.group_size=2",
-            "rollout.max_tokens=4",
-            "run.steps=1",
-            "run.export_hf=false",
-            "run.progress=false",
-            f"run.out_dir={out}",
-        ],
+        None, one_step_run(out, f"warmup.steps={WARMUP_STEPS}", "warmup.batch_size=4")
     )
 
 
