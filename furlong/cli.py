@@ -33,12 +33,17 @@ def train_config(
     """The RLConfig a `furlong train` command line means: the file, then the overrides (after
     ``first``), then the scale-out flags (as ``scale.*`` overrides, so they are validated like
     the rest)."""
-    from furlong.rl.config import load_config
-    from furlong.rl.scale import ScaleOut
+    from furlong.rl.config_source import check_model_name, raw_config
 
     config, overrides = args.config, [*first, *args.overrides]
     if config is not None and _is_override(config):
         config, overrides = None, [*first, config, *args.overrides]  # only overrides were given
+    model = raw_config(config_file or config, overrides).get("model")  # before torch loads
+    check_model_name(model.get("name") if isinstance(model, dict) else None)
+
+    from furlong.rl.config import load_config
+    from furlong.rl.scale import ScaleOut
+
     flags = ScaleOut(args.trainer_ranks, args.ray, args.rollout_engines, args.ray_colocate)
     for name, value in dataclasses.asdict(flags).items():  # flags beat the file, as overrides
         if value != getattr(ScaleOut(), name):
@@ -55,12 +60,10 @@ def _is_override(word: str) -> bool:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from furlong.rl.loop import train
+    config = train_config(args) if args.resume is None else _resume_config(args)
+    from furlong.rl.loop import train  # after the config: its mistakes need no RL stack
 
-    if args.resume is None:
-        summary = train(train_config(args))
-    else:
-        summary = train(_resume_config(args), resume=args.resume)
+    summary = train(config, resume=args.resume)
     print(f"held-out before RL: {summary.before}")
     print(f"held-out after RL:  {summary.after} ({summary.seconds:.0f} s)")
     print(f"metrics and curves in {summary.out_dir}; policy: {summary.hf_dir}")

@@ -69,7 +69,6 @@ SLOW = (
     "tests/test_cli_model_names.py::test_serve_under_a_hub_name_starts_and_says_where_its_state_goes",
     "tests/test_cli_model_names.py::test_rollout_server_ready_line_names_a_url_that_answers",
     "tests/test_cli_model_names.py::test_session_server_ready_line_names_a_url_that_answers",
-    "tests/test_cli_errors.py",  # CLI processes; config errors import torch before failing
     "tests/train/test_group_cleanup.py",
     "tests/train/test_state_dir_cleanup.py",
     "tests/rollout/test_server.py::test_cli_serves_the_protocol",

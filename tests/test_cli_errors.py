@@ -131,3 +131,16 @@ def test_serve_help_shows_the_memory_bounds_defaults() -> None:
     for name, bound in BOUNDS.items():
         assert getattr(config, name) == bound.default  # the config's default is the flag's
         assert f"(default: {bound.default})" in text
+
+
+def test_a_config_mistake_is_found_before_torch_loads(tmp_path: Path) -> None:
+    """The file, the overrides and the model name are read by torch-free code, so such a
+    mistake answers at once (benchmarks/cli_startup.py measures how fast)."""
+    _files(tmp_path)
+    for argv in (["train", "model.name=tiny-qwen4"], ["train", "bad.toml"], ["train", "run.x"]):
+        run = f"from furlong import cli; print(cli.main({argv!r}), 'torch' in sys.modules)"
+        code = f"import sys; {run}"
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        )
+        assert done.stdout.split() == ["2", "False"], (argv, done.stdout, done.stderr)

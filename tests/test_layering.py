@@ -61,6 +61,7 @@ LIGHT = [
     "furlong.models.names",
     "furlong.models.presets",
     "furlong.models.pretrained",
+    "furlong.rl.config_source",
     "furlong.server.main",
 ]
 

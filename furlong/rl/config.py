@@ -15,7 +15,6 @@ import dataclasses
 import json
 import math
 import re
-import tomllib
 import types
 import typing
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from furlong.errors import InputError
-from furlong.models.names import check_model
+from furlong.rl.config_source import check_model_name, raw_config
 from furlong.rl.rollout_choice import check_choice
 from furlong.rl.scale import ScaleOut
 from furlong.rl.tasks import check_task
@@ -198,7 +197,7 @@ class RLConfig:
         _one_of("algo.normalize", a.normalize, ("token", "sequence"))
         check_task(self.task.name, self.task.reward, self.task.path)  # imports plug-ins
         # fast and offline-safe: an unknown name fails here, not in hub retries at the load
-        check_model(self.model.name, "model.name", "set model.name=tiny-qwen3 or a local HF dir")
+        check_model_name(self.model.name)
         _one_of("model.dtype", self.model.dtype, ("float32", "bfloat16"))
         device = self.model.device
         if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
@@ -309,34 +308,7 @@ def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RLConfig:
     """Defaults ← TOML file ← ``group.field=value`` overrides, then validated."""
-    raw = {} if path is None else read_toml(path)
-    for i, item in enumerate(overrides):
-        key, sep, value = item.partition("=")
-        group, dot, name = key.strip().partition(".")
-        if not sep or not dot or not name:
-            raise InputError(f"overrides[{i}]: {item!r} is not group.field=value")
-        table, dot, entry = name.partition(".")  # group.table.entry=value: one key of a table
-        if not dot:
-            raw.setdefault(group, {})[name] = _literal(value.strip())
-            continue
-        inner = raw.setdefault(group, {}).setdefault(table, {})
-        if not isinstance(inner, dict):
-            raise InputError(f"overrides[{i}]: {group}.{table} is not a table")
-        inner[entry] = _literal(value.strip())
-    return from_dict(raw).validate()
-
-
-def read_toml(path: str | Path) -> dict[str, Any]:
-    """A config file's tables; a missing or malformed file is the user's error, named."""
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise InputError(f"config file {str(path)!r}: no such file") from None
-    except IsADirectoryError:
-        raise InputError(f"config file {str(path)!r}: is a directory, not a TOML file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise InputError(f"config file {str(path)!r}: not valid TOML ({e})") from None
+    return from_dict(raw_config(path, overrides)).validate()
 
 
 def to_toml(config: RLConfig) -> str:
@@ -356,13 +328,6 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, dict):  # an inline table: {"key" = value, ...}
         return "{" + ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items()) + "}"
     return json.dumps(value)
-
-
-def _literal(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text  # a bare word: a string
 
 
 def from_dict(raw: dict[str, Any]) -> RLConfig:
