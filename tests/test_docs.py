@@ -50,7 +50,8 @@ def run_as_pasted(block: str, cwd: Path, env: dict[str, str]) -> subprocess.Comp
     """``block`` saved as ``cwd/snippet.py`` and run with this interpreter, from ``cwd``."""
     (cwd / "snippet.py").write_text(block)
     base = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
-    env = base | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)} | env
+    # faulthandler: a crash (the SDK's rare SIGABRT at exit) prints every thread's stack
+    env = base | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"} | env
     return subprocess.run(
         [sys.executable, "snippet.py"],
         cwd=cwd,
@@ -129,10 +130,17 @@ def run_block(block: str, tmp_path: Path, attempt: int) -> subprocess.CompletedP
 
 @pytest.mark.parametrize("name,block", BLOCKS, ids=[name for name, _ in BLOCKS])
 def test_docs_example_runs(name: str, block: str, tmp_path: Path) -> None:
-    for attempt in range(2):  # a second run only for a check that allows one (shows_learning)
+    aborts, wrong = 0, ["not run"]
+    for attempt in range(3):  # a rerun only for a check that allows one (shows_learning)
+        if attempt - aborts == 2:
+            break
         done = run_block(block, tmp_path, attempt)
-        if done.returncode == -6 and attempt == 0:  # SIGABRT at exit: the tinker SDK's threads
-            continue  # torn down (about 1 run in 150, output complete); known, not yet fixed
+        # SIGABRT in interpreter finalisation after complete output, with no Python frame on
+        # the stack (faulthandler): seen in ~1 of 28 runs of an SDK + tinker_cookbook snippet,
+        # not in furlong's code; rerun up to twice
+        if done.returncode == -6 and aborts < 2:
+            aborts += 1
+            continue
         assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stderr}"
         warned = unexpected_warnings(done.stderr, block)
         assert not warned, f"{name} printed warnings its user did not cause:\n{done.stderr}"

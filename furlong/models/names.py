@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import threading
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -19,6 +20,10 @@ from furlong.errors import InputError
 from furlong.models.pretrained import model_names
 
 PROBE_TIMEOUT_S = 1.0  # a reachable hub answers a TCP connect far sooner
+# one start checks a name at several doors (CLI, serve(), RLConfig.validate, load_model): they
+# share a probe's answer for this long instead of each waiting up to PROBE_TIMEOUT_S
+PROBE_REUSE_S = 60.0
+_probes: dict[tuple[str, int], tuple[float, bool]] = {}
 _TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's spelling of a set flag
 # a hub id as huggingface_hub spells one: [namespace/]name of word characters, "-" and "."
 _HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
@@ -125,6 +130,17 @@ def _first_hop(endpoint: str) -> tuple[str, int]:
 
 
 def _connects(host: str, port: int) -> bool:
+    """A TCP connect within the timeout, the answer reused for PROBE_REUSE_S."""
+    now = time.monotonic()
+    seen = _probes.get((host, port))
+    if seen is not None and now - seen[0] < PROBE_REUSE_S:
+        return seen[1]
+    ok = _probe(host, port)
+    _probes[(host, port)] = (now, ok)
+    return ok
+
+
+def _probe(host: str, port: int) -> bool:
     """A TCP connect within the timeout, name lookup included (in a thread: getaddrinfo has no
     timeout of its own)."""
     ok = threading.Event()

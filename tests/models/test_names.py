@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from furlong.errors import InputError
+from furlong.models import names
 from furlong.models.names import check_model
 from furlong.models.presets import PRESETS
 
@@ -25,6 +26,12 @@ def _refusal(spec: str, field: str = FIELD) -> str:
     message = str(info.value)
     assert message.startswith(f"{field}: ") and "\n" not in message
     return message
+
+
+@pytest.fixture(autouse=True)
+def _fresh_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test probes its own hub: an OS may hand a closed test port out again."""
+    monkeypatch.setattr(names, "_probes", {})
 
 
 @pytest.fixture
@@ -96,6 +103,19 @@ def test_an_unreachable_hub_fails_after_one_probe(unreachable: str) -> None:
 def test_a_hub_id_passes_when_the_hub_answers(online: None) -> None:
     check_model("org/some-model", FIELD)
     check_model("gpt2", FIELD)  # a legacy id without namespace, nothing like a preset
+
+
+def test_one_start_probes_the_hub_once(online: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CLI, serve(), RLConfig.validate and load_model each check the name: one probe serves all."""
+    probes: list[tuple[str, int]] = []
+    real = names._probe
+    monkeypatch.setattr(names, "_probe", lambda h, p: probes.append((h, p)) or real(h, p))
+    for _ in range(3):
+        check_model("org/some-model", FIELD)
+    assert len(probes) == 1
+    monkeypatch.setattr(names, "PROBE_REUSE_S", 0.0)  # a stale answer is asked again
+    check_model("org/some-model", FIELD)
+    assert len(probes) == 2
 
 
 def test_a_cached_hub_id_passes_offline_and_nothing_heavy_is_imported(tmp_path: Path) -> None:
