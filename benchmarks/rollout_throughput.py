@@ -6,7 +6,10 @@ on a tiny offline model. The baseline is one batched ``generate`` call (left pad
 wait for long ones. Useful tokens (each request's own ``max_tokens``) per second are compared;
 candidate and baseline alternate over ``--repeats`` rounds and the median of per-round ratios
 is reported. Target: >= 1.5x. The engine also runs with ``fast_forward=False`` (the HF forward
-for every step) to show what continuous batching alone gives.
+for every step) to show what continuous batching alone gives. Each side's model-FLOPs
+utilisation is printed beside this machine's fp32 GEMM peak measured in the same run
+(benchmarks/flops.py: the useful work, each request's own prompt and tokens; padding and
+recomputation not counted).
 
 Run: ``.venv/bin/python benchmarks/rollout_throughput.py [--model small-qwen3]``
 """
@@ -23,6 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flops import Shape, decode_flops, gemm_peak  # noqa: E402
+
 from furlong.models import load_model  # noqa: E402
 from furlong.rollout.engine import EmbeddedEngine  # noqa: E402
 from furlong.rollout.sampling import SamplingParams  # noqa: E402
@@ -81,10 +87,18 @@ def main() -> None:
     model, tokenizer = load_model(args.model)
     model.eval()
     prompts, lengths = workload(tokenizer, args.requests, args.seed)
+    shape = Shape.of(model.config)
+    work = sum(decode_flops(shape, len(p), n) for p, n in zip(prompts, lengths, strict=True))
+    peak = gemm_peak()
     print(
         f"{args.model}: {args.requests} requests, max_tokens 8-128 (sum {sum(lengths)}), "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{work / 1e9:.2f} model GFLOP, fp32 GEMM peak {peak:.1f} GFLOP/s"
     )
+
+    def mfu(tokens_per_s: float) -> str:
+        return f"{100 * work / (sum(lengths) / tokens_per_s) / 1e9 / peak:4.1f}% MFU"
+
     run_engine(model, tokenizer, prompts[:2], [4, 4])  # warm-up
     rows = []
     for _ in range(args.repeats):
@@ -93,8 +107,9 @@ def main() -> None:
         base = run_generate(model, tokenizer, prompts, lengths)
         rows.append((ours / base, hf_steps / base))
         print(
-            f"engine {ours:8.1f} tok/s   engine (HF forward) {hf_steps:8.1f} tok/s   "
-            f"generate {base:8.1f} tok/s   ratios {ours / base:.2f} / {hf_steps / base:.2f}"
+            f"engine {ours:8.1f} tok/s ({mfu(ours)})   engine (HF forward) {hf_steps:8.1f} tok/s "
+            f"({mfu(hf_steps)})   generate {base:8.1f} tok/s ({mfu(base)})   "
+            f"ratios {ours / base:.2f} / {hf_steps / base:.2f}"
         )
     ratio = statistics.median(r[0] for r in rows)
     alone = statistics.median(r[1] for r in rows)

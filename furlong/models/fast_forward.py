@@ -14,9 +14,11 @@ chain over HF's five forward ops takes about twice as many; its forward is HF's,
 Limits: no dropout; only the exact module classes in ``_ARCH``, with SiLU, default RoPE and full
 attention on every layer (:meth:`supports` says no otherwise, e.g. MoE, sliding windows,
 scaled RoPE, hooked modules, attention dropout); vanilla peft LoRA layers run unmerged, as
-peft runs them (``_is_linear``). Weights are read from the modules at every call, so in-place
-updates and ``p.data`` swaps are seen; hooks registered after construction are not run (ask
-:meth:`supports` again when modules may have changed).
+peft runs them (``runs_as_linear``; a training pass folds the adapter's scale and add into one
+``addmm``). A training pass over right-padded rows uses SDPA's own causal mask. Weights are
+read from the modules at every call, so in-place updates and ``p.data`` swaps are seen; hooks
+registered after construction are not run (ask :meth:`supports` again when modules may have
+changed).
 """
 
 from __future__ import annotations
@@ -80,15 +82,22 @@ class _RMSNorm(torch.autograd.Function):
 def _linear(x: torch.Tensor, m: HFModule) -> torch.Tensor:
     if type(m) is nn.Linear:
         return F.linear(x, m.weight, m.bias)
-    # a vanilla peft LoRA layer (``_is_linear`` checked it): peft's ``base + B(A(x)) * scaling``
+    # a vanilla peft LoRA layer (``runs_as_linear`` checked it): peft's ``base + B(A(x)) * scaling``
     out = F.linear(x, m.base_layer.weight, m.base_layer.bias)
     for a in m.active_adapters:
-        if a in m.lora_A:
-            out = out + F.linear(F.linear(x, m.lora_A[a].weight), m.lora_B[a].weight) * m.scaling[a]
+        if a not in m.lora_A:
+            continue
+        xa = F.linear(x, m.lora_A[a].weight)
+        if torch.is_grad_enabled():  # training: the scale and the add ride on B's GEMM
+            b = m.lora_B[a].weight
+            flat = torch.addmm(out.flatten(0, -2), xa.flatten(0, -2), b.t(), alpha=m.scaling[a])
+            out = flat.view(out.shape)
+        else:  # inference keeps peft's rounding, op for op (samplers equal peft's forward)
+            out = out + F.linear(xa, m.lora_B[a].weight) * m.scaling[a]
     return out
 
 
-def _is_linear(m: nn.Module) -> bool:
+def runs_as_linear(m: nn.Module) -> bool:
     """An ``nn.Linear``, or a peft LoRA layer over one whose forward ``_linear`` reproduces
     (unmerged, no dropout, bias or variant such as DoRA, adapter in the base's dtype): a LoRA
     sampler shares its base's weights and applies the adapter at every step."""
@@ -108,6 +117,11 @@ def _is_linear(m: nn.Module) -> bool:
         for a in m.active_adapters
         if a in m.lora_A
     )
+
+
+def _right_padded(attention_mask: torch.Tensor) -> bool:
+    """Every row's real positions come first (no 0 before a 1)."""
+    return bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -167,7 +181,7 @@ class FastForward:
             or body.embed_tokens.max_norm is not None
             or body.embed_tokens.scale_grad_by_freq
             or body.embed_tokens.sparse
-            or not _is_linear(hf.lm_head)
+            or not runs_as_linear(hf.lm_head)
             or type(body.norm) is not norm_cls
         ):
             return False
@@ -181,7 +195,7 @@ class FastForward:
                 type(layer) is not layer_cls
                 or type(attn) is not attn_cls
                 or type(mlp) is not mlp_cls
-                or not all(_is_linear(m) for m in linears)
+                or not all(runs_as_linear(m) for m in linears)
                 or any(type(m) is not norm_cls for m in norms)
                 or getattr(attn, "sliding_window", None) is not None
             ):
@@ -239,6 +253,11 @@ class FastForward:
         if decode:  # additive: SDPA converts a boolean mask again in every layer
             mask = torch.zeros(pad.shape, dtype=h.dtype, device=h.device)
             mask.masked_fill_(~pad, torch.finfo(h.dtype).min)
+        elif cache is None and _right_padded(attention_mask):
+            # a training pass over right-padded rows: plain causal attention is exact for every
+            # real token (padding only follows it), and lets SDPA skip the blocks above the
+            # diagonal instead of reading a mask
+            mask = None
         else:  # causal within the new positions, after all past ones
             total = attention_mask.shape[1]
             q_pos = torch.arange(total - new, total, device=h.device)
@@ -264,7 +283,9 @@ class FastForward:
             else:
                 gqa = heads != kv_heads
                 q = q.transpose(1, 2)
-                o = F.scaled_dot_product_attention(q, k, v, mask, scale=scale, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(
+                    q, k, v, mask, scale=scale, enable_gqa=gqa, is_causal=mask is None
+                )
                 o = o.transpose(1, 2).reshape(batch * new, heads * head_dim)
             h = _add(h, _linear(o, attn.o_proj), in_place)
             x = _rms(h, layer.post_attention_layernorm)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
 import torch
+from peft import PeftModel
 from torch.utils.checkpoint import checkpoint
 
 from furlong.errors import InputError
@@ -298,13 +299,15 @@ class TrainingEngine(Trainer):
 
     def _trunk(self) -> Trunk:
         """FastForward's decoder pass when it runs this model exactly (asked at every call:
-        adapters, hooks or sharding may have been added since), else the HF decoder's."""
+        adapters, hooks or sharding may have been added since), else the HF decoder's. A peft
+        model runs as the HF model its LoRA layers were injected into."""
+        model = self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
         if (
             self.config.fast_forward
             and not self.config.gradient_checkpointing
-            and FastForward.supports(self.model)
+            and FastForward.supports(model)
         ):
-            return FastForward(self.model).hidden
+            return FastForward(model).hidden
         return functools.partial(_hf_trunk, self.model.get_decoder())
 
     def _loss(

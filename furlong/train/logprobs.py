@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from furlong.csr import row_contains, row_of
 from furlong.errors import InputError
+from furlong.models.fast_forward import runs_as_linear
 
 DEFAULT_CHUNK_SIZE = 256
 CHUNK_BYTES = 128 * 2**20  # fp32 working set per chunk when the chunk size is chosen for you
@@ -230,16 +231,32 @@ def head_logprobs(
 
     ``hidden`` is ``[R, H]``; ``head`` maps ``[C, H]`` to model-precision logits ``[C, V]``.
     The full logits never exist; with ``recompute`` each chunk's head is re-run in backward.
-    A plain ``nn.Linear`` head takes a fused path whose backward sums the weight gradient into
-    one buffer (no ``[V, H]`` temporary per chunk; a low-precision head split into several
-    chunks sums in fp32 through one reused product buffer); other heads (e.g. a LoRA-wrapped
-    head) and a differentiable entropy take the generic checkpointed path.
+    A plain ``nn.Linear`` head, or a vanilla peft LoRA layer over one with one active adapter,
+    takes a fused path whose backward sums the weight gradient into one buffer (no ``[V, H]``
+    temporary per chunk; a low-precision head split into several chunks sums in fp32 through
+    one reused product buffer); other heads and a differentiable entropy take the generic
+    checkpointed path.
     """
     if supports is not None and targets.dim() != 1:
         raise InputError("sampling masks: replay needs 1-D target_tokens")
-    if supports is None and recompute and type(head) is nn.Linear and entropy != "grad":
+    parts = _linear_parts(head) if supports is None and recompute and entropy != "grad" else None
+    if parts is not None:
+        base, adapter = parts
+        lora_u, lora_b, scale = None, None, 1.0
+        if adapter is not None:
+            lora_a, lora_b, scale = adapter
+            lora_u = torch.mm(hidden, lora_a.t())  # [R, r]: autograd takes A's gradient here
         lp, ent = _LinearHeadLogprobs.apply(
-            hidden, head.weight, head.bias, targets, temperature, chunk_size, entropy == "metric"
+            hidden,
+            base.weight,
+            base.bias,
+            lora_u,
+            lora_b,
+            scale,
+            targets,
+            temperature,
+            chunk_size,
+            entropy == "metric",
         )
         return lp, (ent if entropy == "metric" else None)
     lps, ents = [], []
@@ -259,6 +276,28 @@ def head_logprobs(
     return torch.cat(lps), (torch.cat(ents) if entropy != "none" else None)
 
 
+# a LoRA head's adapter term for some rows: (hidden @ A.T, B, scaling), added as s * u @ B.T
+LowRank = tuple[torch.Tensor, torch.Tensor, float]
+
+
+def _linear_parts(
+    head: Any,
+) -> tuple[nn.Linear, tuple[torch.Tensor, torch.Tensor, float] | None] | None:
+    """The fused path's view of ``head``: its base linear and, for a peft LoRA layer with one
+    active adapter, that adapter's (A, B, scaling); None for any other head."""
+    if type(head) is nn.Linear:
+        return head, None
+    if not runs_as_linear(head):
+        return None
+    active = [a for a in head.active_adapters if a in head.lora_A]
+    if len(active) > 1:
+        return None
+    if not active:
+        return head.base_layer, None
+    a = active[0]
+    return head.base_layer, (head.lora_A[a].weight, head.lora_B[a].weight, head.scaling[a])
+
+
 class _ChunkWorkspace:
     """One ``[C, V]`` logits buffer (plus an fp32 one for low-precision models) reused by every
     chunk: a fresh buffer per chunk costs page faults on each allocation, and one buffer
@@ -271,15 +310,23 @@ class _ChunkWorkspace:
         self.fp32 = self.logits if fp32 else weight.new_empty(rows, vocab, dtype=torch.float32)
 
     def fp32_logits(
-        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temp: float
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        temp: float,
+        low: LowRank | None = None,
     ) -> torch.Tensor:
-        """``upcast(hidden @ W.T + b) / temp`` in the workspace: the buffer is private, so the
-        defensive copy of :func:`upcast` is not needed."""
+        """``upcast(hidden @ W.T + b [+ s * u @ B.T]) / temp`` in the workspace: the buffer is
+        private, so the defensive copy of :func:`upcast` is not needed."""
         out = self.logits[: hidden.shape[0]]
         if bias is None:
             logits = torch.mm(hidden, weight.t(), out=out)
         else:
             logits = torch.addmm(bias, hidden, weight.t(), out=out)
+        if low is not None:  # peft's order: the adapter's product, scaled, added to the base's
+            u, lora_b, scale = low
+            logits.addmm_(u, lora_b.t(), alpha=scale)
         z = logits if self.fp32 is self.logits else self.fp32[: len(out)].copy_(logits)
         if _scales(temp):
             z.div_(temp)
@@ -290,7 +337,9 @@ class _ChunkWorkspace:
 
 
 class _LinearHeadLogprobs(torch.autograd.Function):
-    """Chunked ``log_softmax(upcast(hidden @ W.T + b) / T)[target]`` with per-chunk recompute.
+    """Chunked ``log_softmax(upcast(hidden @ W.T + b [+ s * u @ B.T]) / T)[target]`` with
+    per-chunk recompute; ``u = hidden @ A.T`` and ``B`` are a LoRA head's adapter (its A's
+    gradient flows back through ``u``), so a LoRA head is fused too.
 
     Saves only ``hidden``, the head's parameters, the targets and one fp32 log-sum-exp per row.
     Backward recomputes each chunk's logits into a reused buffer and turns it into the logits
@@ -304,6 +353,9 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
+        lora_u: torch.Tensor | None,
+        lora_b: torch.Tensor | None,
+        lora_scale: float,
         targets: torch.Tensor,
         temperature: float,
         chunk_size: int,
@@ -311,19 +363,28 @@ class _LinearHeadLogprobs(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         slices = chunk_slices(hidden.shape[0], chunk_size)
         work = _ChunkWorkspace(slices[0].stop - slices[0].start, weight)
-        lps, lses, ents = [], [], []
+        # One chunk: its softmax is kept for backward (the chunk's budget, already allocated),
+        # which then skips a head GEMM and the exp; several chunks are recomputed one by one.
+        keep = len(slices) == 1 and any(ctx.needs_input_grad[:5])
+        lps, lses, ents, probs = [], [], [], None
         for s in slices:
-            z = work.fp32_logits(hidden[s], weight, bias, temperature)
+            low = None if lora_u is None or lora_b is None else (lora_u[s], lora_b, lora_scale)
+            z = work.fp32_logits(hidden[s], weight, bias, temperature, low)
             t = targets[s] if targets.dim() == 2 else targets[s].unsqueeze(-1)
             picked = z.gather(-1, t)
             if want_entropy:
                 ents.append(entropy_kernel(z))
             peak = z.amax(dim=-1, keepdim=True)
-            lse = z.sub_(peak).exp_().sum(-1, keepdim=True).log_() + peak  # z is spent now
+            e = z.sub_(peak).exp_()  # z is spent now
+            total = e.sum(-1, keepdim=True)
+            lse = total.log() + peak
             lps.append((picked - lse).reshape(targets[s].shape))
             lses.append(lse.squeeze(-1))
-        ctx.save_for_backward(hidden, weight, bias, targets, torch.cat(lses))
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+            if keep:
+                probs = e.div_(total)
+        ctx.save_for_backward(hidden, weight, bias, lora_u, lora_b, targets, torch.cat(lses))
+        ctx.temperature, ctx.chunk_size, ctx.lora_scale = temperature, chunk_size, lora_scale
+        ctx.kept = probs  # not saved_tensors: backward spends it in place, once
         entropy = torch.cat(ents) if want_entropy else hidden.new_empty(0, dtype=torch.float32)
         ctx.mark_non_differentiable(entropy)
         return torch.cat(lps), entropy
@@ -332,9 +393,10 @@ class _LinearHeadLogprobs(torch.autograd.Function):
     def backward(
         ctx: Any, grad_lp: torch.Tensor, _grad_entropy: object
     ) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
-        temperature = ctx.temperature
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        hidden, weight, bias, lora_u, lora_b, targets, lse = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, None  # a retain_graph rerun recomputes
+        temperature, scale = ctx.temperature, ctx.lora_scale
+        need_h, need_w, need_b, need_u, need_lb = ctx.needs_input_grad[:5]
         slices = chunk_slices(hidden.shape[0], ctx.chunk_size)
         # A low-precision head summed over several chunks keeps its parameter gradients in fp32
         # and rounds once at the end: rounding the running sum after every chunk makes the error
@@ -343,12 +405,18 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
         grad_b = torch.zeros_like(bias, dtype=acc) if (need_b and bias is not None) else None
+        grad_u = torch.empty_like(lora_u) if need_u else None
+        grad_lb = torch.zeros_like(lora_b, dtype=acc) if need_lb else None
         # each chunk's product still runs as a model-precision GEMM (fp32 inside), into this
         part = torch.empty_like(weight) if need_w and acc != weight.dtype else None
         work = _ChunkWorkspace(slices[0].stop - slices[0].start, weight)
         for s in slices:
-            z = work.fp32_logits(hidden[s], weight, bias, temperature)
-            probs = z.sub_(lse[s].unsqueeze(-1)).exp_()  # softmax, in place
+            if kept is not None:  # turned into the gradient in place
+                probs = kept
+            else:
+                low = None if lora_u is None or lora_b is None else (lora_u[s], lora_b, scale)
+                z = work.fp32_logits(hidden[s], weight, bias, temperature, low)
+                probs = z.sub_(lse[s].unsqueeze(-1)).exp_()  # softmax, in place
             g = grad_lp[s].float()
             t = targets[s] if targets.dim() == 2 else targets[s].unsqueeze(-1)
             g2 = g if g.dim() == 2 else g.unsqueeze(-1)
@@ -364,10 +432,17 @@ class _LinearHeadLogprobs(torch.autograd.Function):
                 grad_w.add_(torch.mm(grad_logits.t(), hidden[s], out=part))
             if grad_b is not None:
                 grad_b.add_(grad_logits.sum(0, dtype=acc))
+            if grad_u is not None:
+                torch.mm(grad_logits, lora_b, out=grad_u[s]).mul_(scale)
+            if grad_lb is not None:  # [V, r]: small, so a low-precision product is just added
+                grad_lb.add_(torch.mm(grad_logits.t(), lora_u[s]), alpha=scale)
         return (
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
+            grad_u,
+            None if grad_lb is None else grad_lb.to(lora_b.dtype),
+            None,
             None,
             None,
             None,

@@ -1,7 +1,8 @@
 """Training passes through FastForward equal the HF decoder's: log-probs, losses and gradients,
 plain and shared-prefix, with the pad id inside real tokens (HF's embedding gives its row no
-gradient); the fused RMSNorm backward equals autograd through HF's norm; models FastForward
-cannot run exactly (LoRA, checkpointing) keep the HF decoder."""
+gradient); the fused RMSNorm backward equals autograd through HF's norm; a peft LoRA adapter
+runs on the fast trunk with the HF decoder's results; models FastForward cannot run exactly
+(checkpointing, LoRA dropout) keep the HF decoder."""
 
 from __future__ import annotations
 
@@ -63,19 +64,70 @@ def test_fused_rms_norm_backward_equals_autograd_through_hf(dtype: torch.dtype) 
     torch.testing.assert_close(norm.weight.grad.float(), dw.float(), atol=tol * 10, rtol=tol)
 
 
-def test_models_it_cannot_run_exactly_keep_the_hf_decoder(monkeypatch) -> None:
+def _lora_engine(fast_forward: bool, dropout: float = 0.0):
+    """tiny-qwen3 with a rank-4 adapter on every linear, its B nonzero (peft starts it at 0)."""
     from furlong.train import lora
-    from furlong.train.engine import TrainingEngine
+    from furlong.train.engine import EngineConfig, TrainingEngine
 
+    base = engine("tiny-qwen3")
+    spec = lora.LoraSpec(rank=4, train_mlp=True, train_attn=True, train_unembed=True)
+    config = lora.peft_config(base.model, spec)
+    config.lora_dropout = dropout
+    peft = lora.add_adapter(None, base.model, "actor", config, 0)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return TrainingEngine(
+        peft,
+        config=EngineConfig(fast_forward=fast_forward),
+        trainable=lora.adapter_params(peft, "actor"),
+    )
+
+
+def test_a_lora_adapter_runs_on_the_fast_trunk(monkeypatch) -> None:
+    calls = []
+    real = FastForward.hidden
+    monkeypatch.setattr(FastForward, "hidden", lambda *a: calls.append(1) or real(*a))
+    datums = grouped_datums(3)
+    hf = _lora_engine(fast_forward=False)
+    a = hf.forward_backward(datums, "ppo")
+    assert not calls
+    fast = _lora_engine(fast_forward=True)
+    b = fast.forward_backward(datums, "ppo")
+    assert calls  # the fast trunk ran, through peft's LoRA layers
+    for x, y in zip(a.outputs, b.outputs, strict=True):
+        torch.testing.assert_close(y["logprobs"], x["logprobs"], atol=1e-5, rtol=0)
+    assert b.metrics["loss:sum"] == pytest.approx(a.metrics["loss:sum"], rel=1e-5)
+    ga, gb = grads(hf), grads(fast)
+    assert all(float(g.abs().max()) > 0 for g in ga.values())  # every A and B is trained
+    assert_close_dicts(ga, gb, rel=1e-4)
+
+
+def test_models_it_cannot_run_exactly_keep_the_hf_decoder(monkeypatch) -> None:
     calls = []
     monkeypatch.setattr(FastForward, "hidden", lambda *a: calls.append(1))
     datums = grouped_datums(0)
     engine("tiny-qwen3", gradient_checkpointing=True).forward_backward(datums, "ppo")
-    base = engine("tiny-qwen3")
-    spec = lora.LoraSpec(rank=4, train_mlp=True, train_attn=True, train_unembed=False)
-    peft = lora.add_adapter(None, base.model, "actor", lora.peft_config(base.model, spec), 0)
-    assert not FastForward.supports(peft)
-    adapter = TrainingEngine(peft, trainable=lora.adapter_params(peft, "actor"))
-    out = adapter.forward_backward(datums, "ppo")
+    dropped = _lora_engine(fast_forward=True, dropout=0.1)
+    assert not FastForward.supports(dropped.model.get_base_model())
+    out = dropped.forward_backward(datums, "ppo")
     assert not calls
     assert all(torch.isfinite(o["logprobs"]).all() for o in out.outputs)
+
+
+def test_training_rows_padded_on_the_right_use_sdpa_causal_mask(monkeypatch) -> None:
+    """Right padding (the trainer's collate): SDPA's is_causal, no mask tensor; left padding
+    keeps the explicit mask. Either way the results equal the HF decoder's (test above)."""
+    assert fast_forward._right_padded(torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    assert not fast_forward._right_padded(torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    seen = []
+    real = fast_forward.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        fast_forward.F,
+        "scaled_dot_product_attention",
+        lambda *a, **k: seen.append((a[3] is None, k.get("is_causal"))) or real(*a, **k),
+    )
+    engine("tiny-qwen3").forward_backward(grouped_datums(1), "ppo")
+    assert seen and all(s == (True, True) for s in seen)

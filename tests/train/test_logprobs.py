@@ -662,3 +662,25 @@ def test_recompute_saves_fewer_bytes_head_logprobs():
     for name in ("generic-recompute", "generic-plain"):
         for a, b in zip(grads["fused"], grads[name], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_one_chunk_keeps_its_softmax_for_backward(monkeypatch):
+    """A single chunk's softmax is kept, so backward runs no second head GEMM; a retained
+    graph's second backward recomputes it (the kept one was spent in place) and agrees."""
+    lin, hidden, targets, coeffs = _head_case(True, False, seed=40)
+    ref = _independent(hidden, lin, targets, 0.7, coeffs)
+    heads = []
+    real = L._ChunkWorkspace.fp32_logits
+    monkeypatch.setattr(L._ChunkWorkspace, "fp32_logits", lambda *a: heads.append(1) or real(*a))
+    for chunk_size, passes in ((0, 1), (4, 2 * len(L.chunk_slices(R_, 4)))):
+        heads.clear()
+        got = _run_head(lin, lin, hidden, targets, coeffs, temperature=0.7, chunk_size=chunk_size)
+        assert len(heads) == passes
+        torch.testing.assert_close(got[0], ref[0], rtol=0, atol=1e-6)
+        _assert_grads(got, ref)
+    h = hidden.clone().requires_grad_(True)
+    lp, _ = head_logprobs(h, lin, targets, temperature=0.7, chunk_size=0)
+    first = torch.autograd.grad((lp * coeffs).sum(), h, retain_graph=True)[0]
+    second = torch.autograd.grad((lp * coeffs).sum(), h)[0]
+    torch.testing.assert_close(first, ref[2], rtol=0, atol=1e-5)
+    torch.testing.assert_close(second, first, rtol=0, atol=1e-6)
