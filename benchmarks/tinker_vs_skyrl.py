@@ -47,7 +47,7 @@ def shared_model(directory: Path) -> Path:
     tiny-qwen3 tokenizer: the model's shapes are what the timing depends on."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from furlong.models.loading import load_model
+    from furlong.models.loading import load_tokenizer
 
     config = Qwen3Config(
         vocab_size=4096,
@@ -64,7 +64,7 @@ def shared_model(directory: Path) -> Path:
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
-    load_model("tiny-qwen3")[1].save_pretrained(directory)
+    load_tokenizer("tiny-qwen3").save_pretrained(directory)
     return directory
 
 
@@ -107,17 +107,16 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="furlong-bench-"))
     model_dir = args.model_dir or shared_model(scratch / "shared")
     config = ServiceConfig({"shared": str(model_dir), "small": "small-qwen3"}, scratch / "state")
-    with background_server(create_app(Service(config))) as url:
+    service = Service(config)
+    with background_server(create_app(service)) as url:
         ours = tinker.ServiceClient(base_url=url, api_key="tml-bench")
         sides = {"furlong": ours.create_lora_training_client("shared", rank=RANK).result()}
         if args.sky_url:
             sky = tinker.ServiceClient(base_url=args.sky_url, api_key="tml-bench")
             sides["skyrl"] = sky.create_lora_training_client(args.sky_model, rank=RANK).result()
         small = ours.create_lora_training_client("small", rank=RANK).result()
-        shapes = {
-            "shared": Shape.of(ours_config(model_dir)),
-            "small": Shape.of(ours_config("small-qwen3")),
-        }
+        # the bases the service loaded for those clients
+        shapes = {name: Shape.of(service.pool.base(name)[0].config) for name in ("shared", "small")}
         data = {"shared": batch(64, 128, 4096), "small": batch(64, 512, 768)}
         for name, client in sides.items():  # first calls: compiles, page faults, caches
             for _ in range(2):
@@ -155,12 +154,6 @@ def main() -> None:
         )
     else:
         print("SkyRL: not measured (no --sky-url)")
-
-
-def ours_config(spec: str | Path) -> object:
-    from furlong.models.loading import load_model
-
-    return load_model(str(spec))[0].config
 
 
 if __name__ == "__main__":

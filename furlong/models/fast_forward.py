@@ -84,17 +84,23 @@ def _linear(x: torch.Tensor, m: HFModule) -> torch.Tensor:
         return F.linear(x, m.weight, m.bias)
     # a vanilla peft LoRA layer (``runs_as_linear`` checked it): peft's ``base + B(A(x)) * scaling``
     out = F.linear(x, m.base_layer.weight, m.base_layer.bias)
-    for a in m.active_adapters:
-        if a not in m.lora_A:
-            continue
-        xa = F.linear(x, m.lora_A[a].weight)
+    for lora_a, lora_b, scaling in lora_terms(m):
+        xa = F.linear(x, lora_a)
         if torch.is_grad_enabled():  # training: the scale and the add ride on B's GEMM
-            b = m.lora_B[a].weight
-            flat = torch.addmm(out.flatten(0, -2), xa.flatten(0, -2), b.t(), alpha=m.scaling[a])
+            flat = torch.addmm(out.flatten(0, -2), xa.flatten(0, -2), lora_b.t(), alpha=scaling)
             out = flat.view(out.shape)
         else:  # inference keeps peft's rounding, op for op (samplers equal peft's forward)
-            out = out + F.linear(xa, m.lora_B[a].weight) * m.scaling[a]
+            out = out + F.linear(xa, lora_b) * scaling
     return out
+
+
+def lora_terms(m: HFModule) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """A peft LoRA layer's active adapters as (A weight, B weight, scaling), in peft's order."""
+    return [
+        (m.lora_A[a].weight, m.lora_B[a].weight, m.scaling[a])
+        for a in m.active_adapters
+        if a in m.lora_A
+    ]
 
 
 def runs_as_linear(m: nn.Module) -> bool:

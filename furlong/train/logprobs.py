@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from furlong.csr import row_contains, row_of
 from furlong.errors import InputError
-from furlong.models.fast_forward import runs_as_linear
+from furlong.models.fast_forward import lora_terms, runs_as_linear
 
 DEFAULT_CHUNK_SIZE = 256
 CHUNK_BYTES = 128 * 2**20  # fp32 working set per chunk when the chunk size is chosen for you
@@ -289,13 +289,17 @@ def _linear_parts(
         return head, None
     if not runs_as_linear(head):
         return None
-    active = [a for a in head.active_adapters if a in head.lora_A]
-    if len(active) > 1:
+    terms = lora_terms(head)
+    if len(terms) > 1:
         return None
-    if not active:
-        return head.base_layer, None
-    a = active[0]
-    return head.base_layer, (head.lora_A[a].weight, head.lora_B[a].weight, head.scaling[a])
+    return head.base_layer, (terms[0] if terms else None)
+
+
+def _rows(
+    lora_u: torch.Tensor | None, lora_b: torch.Tensor | None, scale: float, s: slice
+) -> LowRank | None:
+    """The adapter term of the fused head for the rows ``s`` (None without an adapter)."""
+    return None if lora_u is None or lora_b is None else (lora_u[s], lora_b, scale)
 
 
 class _ChunkWorkspace:
@@ -368,7 +372,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
         keep = len(slices) == 1 and any(ctx.needs_input_grad[:5])
         lps, lses, ents, probs = [], [], [], None
         for s in slices:
-            low = None if lora_u is None or lora_b is None else (lora_u[s], lora_b, lora_scale)
+            low = _rows(lora_u, lora_b, lora_scale, s)
             z = work.fp32_logits(hidden[s], weight, bias, temperature, low)
             t = targets[s] if targets.dim() == 2 else targets[s].unsqueeze(-1)
             picked = z.gather(-1, t)
@@ -414,7 +418,7 @@ class _LinearHeadLogprobs(torch.autograd.Function):
             if kept is not None:  # turned into the gradient in place
                 probs = kept
             else:
-                low = None if lora_u is None or lora_b is None else (lora_u[s], lora_b, scale)
+                low = _rows(lora_u, lora_b, scale, s)
                 z = work.fp32_logits(hidden[s], weight, bias, temperature, low)
                 probs = z.sub_(lse[s].unsqueeze(-1)).exp_()  # softmax, in place
             g = grad_lp[s].float()
