@@ -97,15 +97,3 @@ def gemm_peak(dtype: torch.dtype = torch.float32, size: int = 1024, seconds: flo
         torch.mm(a, b, out=out)
         best = min(best, time.perf_counter() - start)
     return 2.0 * size**3 / best / 1e9
-
-
-def fast_bf16() -> str:
-    """Whether this CPU has a native bf16 matmul path (AMX or AVX-512 BF16), from /proc/cpuinfo;
-    without one, torch emulates bf16 GEMMs, far slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = next((line for line in info if line.startswith("flags")), "").split()
-    except OSError:
-        return "unknown (no /proc/cpuinfo)"
-    found = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
-    return f"yes ({', '.join(found)})" if found else "no (neither amx_bf16 nor avx512_bf16)"

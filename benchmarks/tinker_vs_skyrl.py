@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 import tinker  # noqa: E402
 import torch  # noqa: E402
-from flops import Shape, fast_bf16, gemm_peak, train_flops  # noqa: E402
+from flops import Shape, gemm_peak, train_flops  # noqa: E402
 from tinker import types  # noqa: E402
 
+from furlong.precision import describe_bf16  # noqa: E402
 from furlong.server.app import create_app  # noqa: E402
 from furlong.server.service import Service, ServiceConfig  # noqa: E402
 from furlong.serving import background_server  # noqa: E402
@@ -103,7 +104,7 @@ def main() -> None:
 
     peak = gemm_peak()
     print(f"fp32 GEMM peak, {torch.get_num_threads()} threads: {peak:.1f} GFLOP/s")
-    print(f"fast bf16 matmul path: {fast_bf16()}")
+    print(f"fast bf16 matmul path: {describe_bf16()}")
     scratch = Path(tempfile.mkdtemp(prefix="furlong-bench-"))
     model_dir = args.model_dir or shared_model(scratch / "shared")
     config = ServiceConfig({"shared": str(model_dir), "small": "small-qwen3"}, scratch / "state")

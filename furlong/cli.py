@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 from furlong import __version__
 from furlong.errors import InputError
 from furlong.models.pretrained import model_names
+from furlong.precision import DTYPES
 from furlong.server.bounds import BOUNDS
 
 # Nothing heavy is imported at module level: `--help`, `--version` and a usage error answer
@@ -173,6 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_sample_tokens=args.max_sample_tokens,
         compress_fwdbwd=args.compress_fwdbwd,
         trainer_ranks=args.trainer_ranks,
+        dtype=args.dtype,
         optimizer_state_dir=args.optimizer_state_dir,
         jwt_auth=args.jwt_auth,
         rollout_engine=args.rollout_engine,
@@ -361,6 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--trainer-ranks", type=int, default=1, help="FSDP2 ranks per full fine-tune (LoRA: 1)"
+    )
+    serve.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="the base models' precision; bfloat16 trains fp32 master weights (LoRA adapters: "
+        "fp32) and computes log-probs in fp32; auto: bfloat16 where the CPU/GPU has native "
+        "bf16 matmuls (AMX, AVX-512 BF16, CUDA), else float32",
     )
     serve.add_argument(
         "--optimizer-state-dir",

@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+from furlong.precision import cpu_bf16_flags
+
 # name -> the variables that cap ATen, MKL and oneDNN at that instruction set, weakest first
 KERNEL_SETS: dict[str, dict[str, str]] = {
     "default": {  # no SIMD kernels in ATen; MKL and oneDNN at their SSE floor
@@ -29,7 +31,20 @@ KERNEL_SETS: dict[str, dict[str, str]] = {
         "MKL_ENABLE_INSTRUCTIONS": "AVX512",
         "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
     },
+    # native bf16 matmuls (oneDNN): AVX-512 BF16 dot products, then AMX tiles; under the sets
+    # above bf16 GEMMs are emulated, so a bf16 model rounds differently under each of the five
+    "avx512_bf16": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+    },
+    "amx": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+    },
 }
+BF16_SETS = {"avx512_bf16": "avx512_bf16", "amx": "amx_bf16"}  # set -> the cpuinfo flag it needs
 
 
 def environment(kernels: str, threads: int | None = None) -> dict[str, str]:
@@ -54,5 +69,9 @@ def best() -> str:
 
 def available() -> list[str]:
     """Every kernel set this CPU can run, weakest first (``default`` always)."""
-    names = list(KERNEL_SETS)
-    return names[: names.index(best()) + 1]
+    names = [n for n in KERNEL_SETS if n not in BF16_SETS]
+    found = names[: names.index(best()) + 1]
+    if found[-1] == "avx512":
+        flags = cpu_bf16_flags() or ()
+        found += [name for name, flag in BF16_SETS.items() if flag in flags]
+    return found

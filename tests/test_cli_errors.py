@@ -144,3 +144,13 @@ def test_a_config_mistake_is_found_before_torch_loads(tmp_path: Path) -> None:
             [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
         )
         assert done.stdout.split() == ["2", "False"], (argv, done.stdout, done.stderr)
+
+
+def test_serve_dtype_flag_takes_the_precision_names() -> None:
+    from furlong.server.config import ServiceConfig
+
+    serve = cli._commands(cli.build_parser())["serve"]
+    assert serve.get_default("dtype") == ServiceConfig({}, Path("unused")).dtype == "float32"
+    assert cli.parse(["serve", "--dtype", "auto"]).dtype == "auto"
+    with pytest.raises(SystemExit):
+        cli.parse(["serve", "--dtype", "half"])

@@ -83,15 +83,18 @@ def _linear(x: torch.Tensor, m: HFModule) -> torch.Tensor:
     if type(m) is nn.Linear:
         return F.linear(x, m.weight, m.bias)
     # a vanilla peft LoRA layer (``runs_as_linear`` checked it): peft's ``base + B(A(x)) * scaling``
+    # with the adapter in its own dtype (peft keeps a bf16 base's adapters in fp32: the input is
+    # cast up, the sum is in fp32, and the result goes back to the base's dtype)
     out = F.linear(x, m.base_layer.weight, m.base_layer.bias)
+    dtype = out.dtype
     for lora_a, lora_b, scaling in lora_terms(m):
-        xa = F.linear(x, lora_a)
+        xa = F.linear(x.to(lora_a.dtype), lora_a)
         if torch.is_grad_enabled():  # training: the scale and the add ride on B's GEMM
-            flat = torch.addmm(out.flatten(0, -2), xa.flatten(0, -2), lora_b.t(), alpha=scaling)
-            out = flat.view(out.shape)
+            flat = out.flatten(0, -2).to(lora_b.dtype)
+            out = torch.addmm(flat, xa.flatten(0, -2), lora_b.t(), alpha=scaling).view(out.shape)
         else:  # inference keeps peft's rounding, op for op (samplers equal peft's forward)
             out = out + F.linear(xa, lora_b) * scaling
-    return out
+    return out.to(dtype)
 
 
 def lora_terms(m: HFModule) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
@@ -105,7 +108,7 @@ def lora_terms(m: HFModule) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
 
 def runs_as_linear(m: nn.Module) -> bool:
     """An ``nn.Linear``, or a peft LoRA layer over one whose forward ``_linear`` reproduces
-    (unmerged, no dropout, bias or variant such as DoRA, adapter in the base's dtype): a LoRA
+    (unmerged, no dropout, bias or variant such as DoRA, A and B in one dtype): a LoRA
     sampler shares its base's weights and applies the adapter at every step."""
     if type(m) is nn.Linear:
         return True
@@ -113,13 +116,12 @@ def runs_as_linear(m: nn.Module) -> bool:
         return False
     if m.merged or m.disable_adapters or m.fan_in_fan_out:
         return False
-    dtype = m.base_layer.weight.dtype
     return all(
         a not in m.lora_variant
         and type(m.lora_dropout[a]) is nn.Identity
         and m.lora_A[a].bias is None
         and m.lora_B[a].bias is None
-        and m.lora_A[a].weight.dtype == m.lora_B[a].weight.dtype == dtype
+        and m.lora_A[a].weight.dtype == m.lora_B[a].weight.dtype
         for a in m.active_adapters
         if a in m.lora_A
     )

@@ -21,6 +21,7 @@ import torch
 
 from furlong.models.loading import load_model
 from furlong.models.moe import find_routers
+from furlong.precision import resolve_dtype
 from furlong.rl import resume as resume_mod
 from furlong.rl import scale_out, warmup
 from furlong.rl.config import RLConfig
@@ -87,7 +88,8 @@ def build_parts(
         device=m.device, optimizer=config.optimizer, share_prefixes=config.algo.share_prefixes
     )
     source = resume_mod.model_source(saved, m.name)  # a LoRA run's warmed-up base on resume
-    policy, tokenizer = load_model(source, seed=m.seed, dtype=getattr(torch, m.dtype))
+    dtype = getattr(torch, resolve_dtype(m.dtype, m.device))
+    policy, tokenizer = load_model(source, seed=m.seed, dtype=dtype)
     policy.to(m.device)  # type: ignore[arg-type]  # in place; see ray_rollout.RolloutActor
     if m.lora_rank and m.lora_unembed:
         from furlong.train.lora import untie_embeddings  # peft: only LoRA runs need it

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from furlong.errors import InputError
+from furlong.precision import DTYPES
 from furlong.rl.config_source import check_model_name, raw_config
 from furlong.rl.rollout_choice import check_choice
 from furlong.rl.scale import ScaleOut
@@ -55,7 +56,9 @@ class ModelConfig:
     name: str = "small-qwen3"
     seed: int = 0  # seed of a preset's random weights
     device: str = "cpu"  # cpu | cuda | cuda:N: trainer, critic and rollout engine share it
-    dtype: str = "float32"  # float32 | bfloat16 (keep float32 on CPU: bf16 is emulated there)
+    # float32 | bfloat16 | auto (bf16 where the device has native bf16 matmuls: furlong.precision);
+    # bf16 trains fp32 master weights and computes log-probs in fp32
+    dtype: str = "float32"
     lora_rank: int = 0  # > 0: train a LoRA adapter of this rank (peft) instead of every weight
     lora_attn: bool = True  # the adapter covers the attention projections
     lora_mlp: bool = True  # ... the MLP projections (MoE experts included)
@@ -198,7 +201,7 @@ class RLConfig:
         check_task(self.task.name, self.task.reward, self.task.path)  # imports plug-ins
         # fast and offline-safe: an unknown name fails here, not in hub retries at the load
         check_model_name(self.model.name)
-        _one_of("model.dtype", self.model.dtype, ("float32", "bfloat16"))
+        _one_of("model.dtype", self.model.dtype, DTYPES)
         device = self.model.device
         if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
             raise InputError(f"model.device: {device!r}; expected cpu, cuda or cuda:N")

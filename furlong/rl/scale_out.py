@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from furlong.models.loading import save_hf_dir
+from furlong.precision import resolve_dtype
 from furlong.rl.scale import ScaleOut
 from furlong.train.api import Trainer
 from furlong.train.engine import EngineConfig
@@ -45,7 +46,8 @@ def build(
     model = _weights_source(config, policy, tokenizer)
     gpus = m.device.startswith("cuda")
     engine = dataclasses.replace(engine_config, device="cuda" if gpus else m.device)
-    spec = RankSpec(model, seed=m.seed, dtype=m.dtype, config=engine)
+    dtype = resolve_dtype(m.dtype, m.device)
+    spec = RankSpec(model, seed=m.seed, dtype=dtype, config=engine)
     if scale.ray is None:
         return TrainerGroup.from_spec(spec, scale.trainer_ranks), None
     from furlong.rl import placement, ray_rollout, ray_trainer
@@ -55,7 +57,7 @@ def build(
     group = ray_trainer.create_placement_group(plan)
     actor = ray_trainer.RayTrainerGroup(spec, plan, group)
     ray = {
-        "engine": ray_rollout.EngineSpec(model, m.seed, max_running, m.dtype, engine.device),
+        "engine": ray_rollout.EngineSpec(model, m.seed, max_running, dtype, engine.device),
         "strategies": [ray_trainer.on_bundle(group, b) for b in plan.engines],
         "resources": [plan.resources(b) for b in plan.engines],
     }

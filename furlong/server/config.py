@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from furlong.errors import InputError
+from furlong.precision import resolve_dtype
 from furlong.rollout.base import SamplingEngine
 from furlong.rollout.registry import engine_class
 from furlong.server.bounds import BOUNDS
@@ -48,6 +49,7 @@ class ServiceConfig:
     compress_fwdbwd: bool = False  # ask clients to zstd forward_backward bodies
     fwdbwd_max_chunk_len: int = 1024  # datums per forward_backward request (client-side split)
     trainer_ranks: int = 1  # > 1: full fine-tunes train on that many FSDP2 ranks (LoRA: 1)
+    dtype: str = "float32"  # the base models' precision: float32 | bfloat16 | auto (precision.py)
     optimizer_state_dir: str | None = None  # every model's optimizer state on disk there
     jwt_auth: bool = False  # clients exchange their key for a short-lived JWT (auth/token)
     ttl_sweep_interval: float = 60.0  # seconds between sweeps deleting expired checkpoints
@@ -59,6 +61,7 @@ class ServiceConfig:
             if not getattr(self, name) >= bound.least:
                 raise InputError(f"{name}: must be >= {bound.least:g}, got {getattr(self, name)!r}")
         engine_class(self.rollout_engine, SamplingEngine, "rollout_engine")  # before any load
+        resolve_dtype(self.dtype)
 
     def training(self) -> TrainingConfig:
         return TrainingConfig(

@@ -20,7 +20,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import torch
+
 from furlong.errors import InputError
+from furlong.precision import resolve_dtype
 from furlong.server import proto
 from furlong.server.compute_lane import ComputeLane
 from furlong.server.config import ServiceConfig
@@ -47,6 +50,7 @@ class Service:
             # absolute: clients load the tokenizer from this path, wherever they run
             tokenizer_root=Path(config.state_dir).resolve() / "tokenizers",
             trainer_ranks=config.trainer_ranks,
+            dtype=getattr(torch, resolve_dtype(config.dtype)),
             engine_config=config.engine(),
         )
         self.futures = FutureStore(poll_timeout=config.poll_timeout)

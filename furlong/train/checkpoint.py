@@ -63,11 +63,15 @@ def save_training_state(
     step: int,
     *,
     params: Sequence[torch.Tensor] | None = None,
+    masters: Mapping[str, torch.Tensor] | None = None,
     info: Mapping[str, Any] | None = None,
 ) -> Path:
-    """``params`` given: store only those (kind "params"), else the whole model."""
+    """``params`` given: store only those (kind "params"), else the whole model, with the fp32
+    ``masters`` of its bf16 parameters (by name) in place of their rounded values."""
     if params is None:
         tensors, aliases = _model_tensors(model)
+        for name, master in (masters or {}).items():
+            tensors[aliases.get(name, name)] = master.contiguous().cpu()
     else:
         tensors = {
             n: p.detach().contiguous().cpu().clone()

@@ -30,12 +30,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from furlong.errors import InputError
 from furlong.train import dist_checkpoint as dcp_state
 from furlong.train.api import Info, StrPath
 from furlong.train.engine import EngineConfig, TrainingEngine
+from furlong.train.master_weights import LOW_PRECISION
 from furlong.train.optim import build_optimizer
 from furlong.train.parallel import Results, collect_outputs
 from furlong.train.rank_split import rank_microbatches
@@ -69,13 +70,20 @@ def init_distributed(
 
 
 def shard_model(model: PreTrainedModel, mesh: DeviceMesh) -> None:
-    """``fully_shard`` every decoder layer, then the model; gradients reduce as raw sums."""
+    """``fully_shard`` every decoder layer, then the model; gradients reduce as raw sums. A
+    bf16 model is sharded in fp32 (the optimizer's master weights) and FSDP casts each unit to
+    bf16 as it gathers it, reducing gradients in fp32: FSDP2's own mixed precision."""
     layers = getattr(model.get_decoder(), "layers", None)
     if not layers:
         raise InputError(f"model: {type(model).__name__} has no decoder layers to shard")
+    dtype = next(model.parameters()).dtype
+    policy = MixedPrecisionPolicy()
+    if dtype in LOW_PRECISION:
+        model.float()
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    root = fully_shard(model, mesh=mesh)  # the model itself, its class swapped
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    root = fully_shard(model, mesh=mesh, mp_policy=policy)  # the model itself, class swapped
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # Tinker semantics: sums, never means

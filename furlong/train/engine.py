@@ -39,6 +39,7 @@ from furlong.train.logprobs import (
     graph_connected_zero,
     head_logprobs,
 )
+from furlong.train.master_weights import MasterWeights
 from furlong.train.objectives import OBJECTIVES, VALUE_OBJECTIVES, Objective, datum_losses
 from furlong.train.optim import OptimizerConfig, build_optimizer, optimizer_step
 from furlong.train.parallel import OneProcess, Parallel, Results
@@ -137,8 +138,10 @@ class TrainingEngine(Trainer):
         else:
             named = _check_trainable(self.model, trainable)
         self.param_names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self.optimizer = build_optimizer(self.model, self.params, self.config.optimizer)
+        # the optimizer's parameters: fp32 masters of bf16 ones, fp32 ones themselves
+        self.masters = MasterWeights([p for _, p in named])
+        self.params = self.masters.params
+        self.optimizer = self._build_optimizer()
         self.step = 0
         # while asleep (colocation): the trainable weights by name and each one's optimizer
         # state tensors, in host memory; the live tensors are empty
@@ -352,12 +355,18 @@ class TrainingEngine(Trainer):
         self._check_awake("optim_step")
         metrics = optimizer_step(self.params, self.optimizer, adam_params or AdamParams())
         if not metrics["skipped_nonfinite:sum"]:
+            self.masters.publish()
             self.step += 1
         metrics["step:max"] = float(self.step)
         return metrics
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _build_optimizer(self) -> Any:
+        return build_optimizer(
+            self.model, self.params, self.config.optimizer, self.masters.model_params
+        )
 
     # ---------------------------------------------------------------- state
 
@@ -372,6 +381,7 @@ class TrainingEngine(Trainer):
             self.param_names,
             self.step,
             params=self.params if self.subset else None,
+            masters=None if self.subset else self.masters.by_name(self.param_names),
             info=info,
         )
 
@@ -400,7 +410,8 @@ class TrainingEngine(Trainer):
                 ckpt.restore_params(self.param_names, self.params, tensors)
             else:
                 ckpt.restore_model(self.model, tensors, meta["aliases"])
-        self.optimizer = build_optimizer(self.model, self.params, self.config.optimizer)
+        self.masters.load(self.param_names, tensors)  # fp32 as saved, then rounded
+        self.optimizer = self._build_optimizer()
         if opt_state is not None:
             self.optimizer.load_state_dict(opt_state)
         self.step = int(meta["step"]) if optimizer else 0
@@ -428,7 +439,8 @@ class TrainingEngine(Trainer):
             from furlong.train.lora import merged_weights  # peft: only adapter engines need it
 
             return merged_weights(cast("PeftModel", self.model))  # merged: an adapter engine
-        return {n: p.detach() for n, p in zip(self.param_names, self.params, strict=True)}
+        params = self.masters.model_params  # in the model's precision, as the rollout runs
+        return {n: p.detach() for n, p in zip(self.param_names, params, strict=True)}
 
     # ---------------------------------------------------------------- colocation
 
@@ -449,8 +461,8 @@ class TrainingEngine(Trainer):
             {k: v.to("cpu", copy=True) for k, v in movable_state(self.optimizer, p).items()}
             for p in self.params
         ]
-        for p in self.params:  # empty placeholders keep each tensor's dtype and device
-            p.data = p.data.new_empty(0)
+        for p in [*self.params, *(param for _, param in self.masters.pairs)]:
+            p.data = p.data.new_empty(0)  # empty placeholders keep each dtype and device
             state = self.optimizer.state.get(p, {})
             for k, v in movable_state(self.optimizer, p).items():
                 state[k] = v.new_empty(0)
@@ -470,6 +482,8 @@ class TrainingEngine(Trainer):
             for k, v in saved.items():
                 state[k] = v.to(state[k].device)
             moved += self.host_weights[n].nbytes + _nbytes(saved.values())
+        for master, param in self.masters.pairs:  # bf16 parameters: their masters rounded
+            param.data = master.detach().to(param.dtype)
         self.host_weights, self._host_optim = None, []
         return moved
 

@@ -284,13 +284,14 @@ def _linear_parts(
     head: Any,
 ) -> tuple[nn.Linear, tuple[torch.Tensor, torch.Tensor, float] | None] | None:
     """The fused path's view of ``head``: its base linear and, for a peft LoRA layer with one
-    active adapter, that adapter's (A, B, scaling); None for any other head."""
+    active adapter in the base's dtype, that adapter's (A, B, scaling); None for any other head
+    (e.g. fp32 adapters on a bf16 base, which peft adds in fp32 and rounds)."""
     if type(head) is nn.Linear:
         return head, None
     if not runs_as_linear(head):
         return None
     terms = lora_terms(head)
-    if len(terms) > 1:
+    if len(terms) > 1 or any(a.dtype != head.base_layer.weight.dtype for a, _, _ in terms):
         return None
     return head.base_layer, (terms[0] if terms else None)
 

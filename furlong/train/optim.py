@@ -71,27 +71,39 @@ def _one_of(name: str, value: object, allowed: Sequence[str]) -> None:
         raise InputError(f"optimizer.{name}: {value!r} is not one of {choices}")
 
 
-def muon_params(model: torch.nn.Module | None, params: Sequence[torch.Tensor]) -> list:
+def muon_params(
+    model: torch.nn.Module | None,
+    params: Sequence[torch.Tensor],
+    stands_for: Sequence[torch.Tensor] | None = None,
+) -> list:
     """The hidden matrices: 2-D parameters and 3-D ones (MoE experts, per matrix) outside the
     input embedding and the output head (and any adapter on them). Norms, biases, embeddings
-    and the head stay with AdamW."""
+    and the head stay with AdamW. ``stands_for[i]``: the model's parameter that ``params[i]``
+    is the master of (default: itself)."""
     excluded: set[int] = set()
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         module = getattr(model, getter, lambda: None)()
         if module is not None:
             excluded |= {id(p) for p in module.parameters()}
-    return [p for p in params if p.ndim in (2, 3) and id(p) not in excluded]
+    owners = params if stands_for is None else stands_for
+    return [
+        p
+        for p, own in zip(params, owners, strict=True)
+        if p.ndim in (2, 3) and id(own) not in excluded
+    ]
 
 
 def build_optimizer(
     model: torch.nn.Module | None,
     params: Sequence[torch.nn.Parameter],
     config: OptimizerConfig | None = None,
+    stands_for: Sequence[torch.Tensor] | None = None,
 ) -> CompositeOptimizer:
-    """The state store is set up first (a bad disk_dir fails before anything is built)."""
+    """The state store is set up first (a bad disk_dir fails before anything is built).
+    ``stands_for``: see :func:`muon_params`."""
     config = config or OptimizerConfig()
     store = make_store(config.state_store, config.disk_dir, config.chunk_bytes)
-    matrices = muon_params(model, params) if config.kind == "muon" else []
+    matrices = muon_params(model, params, stands_for) if config.kind == "muon" else []
     in_muon = {id(p) for p in matrices}
     rest = [p for p in params if id(p) not in in_muon]
     d = AdamParams()  # placeholders: apply_adam_params sets them before every step

@@ -124,3 +124,15 @@ def test_muon_with_disk_state_and_colocation(tmp_path, short_reward) -> None:
     assert all(torch.isfinite(torch.tensor(r["grad_norm:mean"])) for r in rows[1:])
     assert rows[-1]["host_peak_bytes:max"] > 0
     assert (state / "optimizer_state").is_dir()  # the per-process directory was made there
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_bf16_policy_learns_with_fp32_masters(tmp_path, short_reward, algo: str) -> None:
+    """model.dtype=bfloat16: the policy (and the rollout that shares it), reference and critic
+    in bf16, every optimizer on fp32 masters; PPO's critic and the colocated hand-off too."""
+    ppo = ["algo.advantage=gae", "algo.objective=ppo", "critic.warmup_steps=1"]
+    extra = [*ppo, "colocate.enabled=true", "run.log_kl=true"] if algo == "ppo" else []
+    summary, rows, rewards = run(tmp_path, "model.dtype=bfloat16", *extra)
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1
+    policy = AutoModelForCausalLM.from_pretrained(summary.hf_dir)
+    assert policy.dtype == torch.bfloat16  # the export keeps the model's precision
