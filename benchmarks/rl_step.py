@@ -56,6 +56,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
+from furlong.precision import describe_bf16  # noqa: E402  (torch-free)
+
 TRL_VERSION = "1.16.0"  # the newest TRL that resolves against constraints.txt (transformers 5.24)
 INSTALL_HINT = f"""TRL is not installed for {{python}}.
 It is a benchmark-only dependency (not in pyproject.toml); install it in a scratch venv:
@@ -189,7 +191,12 @@ def trl_phases(clock: PhaseClock) -> None:
 
 
 def furlong_worker(
-    model_dir: str, work: Workload, steps: int, out_dir: str, clock: PhaseClock | None = None
+    model_dir: str,
+    work: Workload,
+    steps: int,
+    out_dir: str,
+    clock: PhaseClock | None = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     from furlong.metrics import read_metrics
     from furlong.rl.config import load_config
@@ -201,6 +208,7 @@ def furlong_worker(
 
     overrides = [
         f"model.name={json.dumps(model_dir)}",
+        f"model.dtype={dtype}",  # bfloat16: bf16 model and rollout, fp32 masters and log-probs
         f"task.name={TASK}",
         f"task.max_a={DIGITS}",  # reverse: the digit count
         f"task.reward={REWARD}",
@@ -238,7 +246,12 @@ def furlong_worker(
 
 
 def trl_worker(
-    model_dir: str, work: Workload, steps: int, out_dir: str, clock: PhaseClock | None = None
+    model_dir: str,
+    work: Workload,
+    steps: int,
+    out_dir: str,
+    clock: PhaseClock | None = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     import torch
     from datasets import Dataset
@@ -310,9 +323,10 @@ def trl_worker(
         adam_beta2=0.95,
         adam_epsilon=1e-12,
         max_grad_norm=GRAD_CLIP,
-        # fp32 on CPU without TRL's GPU-oriented defaults (bf16, gradient checkpointing).
+        # fp32 on CPU without TRL's GPU-oriented defaults (bf16, gradient checkpointing); with
+        # --dtype bfloat16, TRL's bf16 (accelerate's autocast over fp32 weights).
         use_cpu=True,
-        bf16=False,
+        bf16=dtype == "bfloat16",
         fp16=False,
         activation_checkpointing=False,  # TRL's gradient_checkpointing=True default
         use_vllm=False,
@@ -354,7 +368,9 @@ def trl_worker(
     }
 
 
-def worker_main(side: str, model_dir: str, work: Workload, threads: int, phases: int = 0) -> None:
+def worker_main(
+    side: str, model_dir: str, work: Workload, threads: int, phases: int = 0, dtype: str = "float32"
+) -> None:
     """Runs ``work.warmup + work.steps`` steps; ``phases``: time the parts of the last
     ``phases`` steps (the timed ones)."""
     import torch
@@ -365,7 +381,7 @@ def worker_main(side: str, model_dir: str, work: Workload, threads: int, phases:
     clock = PhaseClock() if phases else None
     with tempfile.TemporaryDirectory(prefix=f"rl_step_{side}_") as out:
         run = furlong_worker if side == "furlong" else trl_worker
-        result = run(model_dir, work, work.warmup + work.steps, out, clock)
+        result = run(model_dir, work, work.warmup + work.steps, out, clock, dtype)
     if clock is not None:
         # furlong runs one extra last step (it carries the final evaluation): not timed
         rows = clock.steps[-phases - 1 : -1] if side == "furlong" else clock.steps[-phases:]
@@ -389,6 +405,7 @@ def run_worker(
     work: Workload,
     threads: int,
     phases: int = 0,
+    dtype: str = "float32",
 ) -> dict:
     env = os.environ | {
         "HF_HUB_OFFLINE": "1",
@@ -398,7 +415,7 @@ def run_worker(
         "TRANSFORMERS_VERBOSITY": "error",
     }
     cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--model-dir", str(model_dir)]
-    cmd += ["--threads", str(threads), "--worker-phases", str(phases)]
+    cmd += ["--threads", str(threads), "--worker-phases", str(phases), "--dtype", dtype]
     for name, value in asdict(work).items():  # the whole workload, explicitly
         cmd += [f"--{name.replace('_', '-')}", repr(value)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -461,6 +478,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads, both")
     parser.add_argument("--trl-python", default=sys.executable, help="interpreter with trl")
     parser.add_argument("--quick", action="store_true", help="1 round, 1 + 3 steps per side")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="both sides' precision (furlong: model.dtype; TRL: bf16=True)",
+    )
+    parser.add_argument(
+        "--baseline",
+        choices=("trl", "furlong-fp32"),
+        default="trl",
+        help="what furlong is measured against: TRL, or furlong itself in float32",
+    )
+    parser.add_argument("--target", type=float, default=1.5, help="the ratio to PASS")
     # The workload; unset: the model's (WORKLOADS)
     parser.add_argument("--prompts", type=int, help="prompts per step")
     parser.add_argument("--group", type=int, help="samples per prompt")
@@ -477,14 +507,27 @@ def main() -> None:
     args = parser.parse_args()
     work = workload(args)
     if args.worker:
-        worker_main(args.worker, args.model_dir, work, args.threads, args.worker_phases)
+        worker_main(args.worker, args.model_dir, work, args.threads, args.worker_phases, args.dtype)
         return
     if args.quick:
         args.rounds = 1
-    version = trl_version(args.trl_python)
-    if version is None:
-        print(INSTALL_HINT.format(python=args.trl_python), file=sys.stderr)
-        raise SystemExit(2)
+    # label -> (worker, dtype, interpreter); "furlong" is always the first
+    sides = {"furlong": ("furlong", args.dtype, sys.executable)}
+    if args.baseline == "trl":
+        version = trl_version(args.trl_python)
+        if version is None:
+            print(INSTALL_HINT.format(python=args.trl_python), file=sys.stderr)
+            raise SystemExit(2)
+        sides["TRL"] = ("trl", args.dtype, args.trl_python)
+        against = f"TRL {version} ({args.trl_python})"
+    else:
+        sides["furlong fp32"] = ("furlong", "float32", sys.executable)
+        against = "furlong in float32"
+    base = list(sides)[1]
+
+    def measure(label: str, phases: int = 0) -> dict:
+        worker, dtype, python = sides[label]
+        return run_worker(python, worker, model_dir, work, args.threads, phases, dtype)
 
     with tempfile.TemporaryDirectory(prefix="rl_step_") as tmp:
         model_dir = write_model(args.model, Path(tmp) / "model")
@@ -492,46 +535,41 @@ def main() -> None:
             f"{args.model}: {TASK} ({DIGITS} digits, {REWARD}), {work.prompts} prompts x "
             f"{work.group} samples, <= {work.max_tokens} new tokens, temperature {TEMPERATURE}, "
             f"lr {work.lr}, no KL; {args.threads} threads; {work.warmup} warm-up + {work.steps} "
-            f"timed steps per side and round; TRL {version} ({args.trl_python})"
+            f"timed steps per side and round; {args.dtype} against {against}"
         )
-        pythons = {"furlong": sys.executable, "trl": args.trl_python}
+        print(f"fast bf16 matmul path: {describe_bf16()}")
         ours_all: list[float] = []
         theirs_all: list[float] = []
         ratios: list[float] = []
         for i in range(args.rounds):
-            order = ("furlong", "trl") if i % 2 == 0 else ("trl", "furlong")  # cancel drift
-            results = {s: run_worker(pythons[s], s, model_dir, work, args.threads) for s in order}
+            order = list(sides) if i % 2 == 0 else list(sides)[::-1]  # cancel drift
+            results = {label: measure(label) for label in order}
             ours = results["furlong"]["seconds"][work.warmup :]
-            theirs = results["trl"]["seconds"][work.warmup :]
+            theirs = results[base]["seconds"][work.warmup :]
             ours_all += ours
             theirs_all += theirs
             ratio = statistics.median(theirs) / statistics.median(ours)
             ratios.append(ratio)
-            f, t = results["furlong"], results["trl"]
+            f, t = results["furlong"], results[base]
             print(
                 f"round {i + 1}: furlong {statistics.median(ours):6.3f} s/step "
                 f"({min(ours):.3f}-{max(ours):.3f}, {f['completion_tokens']:.2f} tok/completion)"
-                f"   TRL {statistics.median(theirs):6.3f} s/step "
+                f"   {base} {statistics.median(theirs):6.3f} s/step "
                 f"({min(theirs):.3f}-{max(theirs):.3f}, {t['completion_tokens']:.2f} tok/"
                 f"completion)   ratio {ratio:.2f}   [threads {f['threads_in_step']}/"
                 f"{t['threads_in_step']}, transformers {f['transformers']}/{t['transformers']}]"
             )
         if args.phases:
-            print_phases(
-                {
-                    s: run_worker(pythons[s], s, model_dir, work, args.threads, work.steps)
-                    for s in ("furlong", "trl")
-                },
-                work.warmup,
-            )
+            print_phases({label: measure(label, work.steps) for label in sides}, work.warmup)
     ratio = statistics.median(ratios)
     print(
         f"\nmedian step: furlong {statistics.median(ours_all):.3f} s, "
-        f"TRL {statistics.median(theirs_all):.3f} s"
+        f"{base} {statistics.median(theirs_all):.3f} s"
     )
     print(
-        f"{'PASS' if ratio >= 1.5 else 'FAIL'}: median ratio (TRL s / furlong s) {ratio:.2f} "
-        f"(per round: {', '.join(f'{r:.2f}' for r in ratios)}; target >= 1.5)"
+        f"{'PASS' if ratio >= args.target else 'FAIL'}: median ratio ({base} s / furlong s) "
+        f"{ratio:.2f} (per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
+        f"target >= {args.target})"
     )
 
 

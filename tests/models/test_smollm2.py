@@ -67,9 +67,10 @@ def exact_head_logprobs(model, ids: list[int]) -> torch.Tensor:
 # fp32 rounding of a 49,152-way head with logits up to ~30: HF's own fp32 log-probs are up to
 # 2.3e-5 from the float64 head (measured), so two fp32 heads that sum in different orders differ
 # by about as much (1.6e-5 measured); against the float64 head the engine's error depends on the
-# kernel set's summation order: 7.4e-6 (default), 8.4e-6 (avx512), 1.13e-5 (avx2) measured
+# kernel set's summation order: 7.4e-6 (default), 8.4e-6 (avx512), 1.13e-5 (avx2) measured, and
+# 2.35e-5 on an AMX CPU (Xeon, 2026-12-06: as far as HF's own fp32 head is from float64)
 LOGPROB_ATOL = 5e-5
-EXACT_ATOL = 2e-5
+EXACT_ATOL = 4e-5
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast_forward", "hf_trunk"])

@@ -51,8 +51,10 @@ def runs() -> dict:
         if "ref" not in out:
             out["ref"] = _reference(e.model)
         result = e.forward_backward(DATUMS, "cross_entropy")
-        grad = e.model.get_output_embeddings().weight.grad
-        assert grad.dtype == torch.bfloat16
+        # the bf16 gradient went to the head's fp32 master (one pass: an exact copy of it)
+        master_of = dict(zip(map(id, e.masters.model_params), e.params, strict=True))
+        grad = master_of[id(e.model.get_output_embeddings().weight)].grad
+        assert grad.dtype == torch.float32 and torch.equal(grad, grad.bfloat16().float())
         out[chunk] = (grad, [o["logprobs"] for o in result.outputs])
     return out
 
