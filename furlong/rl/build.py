@@ -187,7 +187,8 @@ def _reference(
     if not (config.algo.kl_coef > 0 or config.run.log_kl):
         return None
     frozen = dataclasses.replace(engine_config, optimizer=OptimizerConfig())  # never steps
-    return TrainingEngine(copy.deepcopy(policy), None, frozen)
+    # no trainable parameters: no optimizer state, and no fp32 masters of a bf16 model
+    return TrainingEngine(copy.deepcopy(policy).requires_grad_(False), None, frozen)
 
 
 def _colocation(
