@@ -9,7 +9,9 @@ is reported. Target: >= 1.5x. The engine also runs with ``fast_forward=False`` (
 for every step) to show what continuous batching alone gives. Each side's model-FLOPs
 utilisation is printed beside this machine's fp32 GEMM peak measured in the same run
 (benchmarks/flops.py: the useful work, each request's own prompt and tokens; padding and
-recomputation not counted).
+recomputation not counted), with the ceiling this workload's batch schedule allows: the MFU if
+the run were its GEMMs alone (each step's projections and head at the step's batch size, timed
+in isolation) and nothing else.
 
 Run: ``.venv/bin/python benchmarks/rollout_throughput.py [--model small-qwen3]``
 """
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,6 +46,36 @@ def workload(tokenizer, n: int, seed: int) -> tuple[list[list[int]], list[int]]:
         for i in range(n)
     ]
     return prompts, [rng.randint(8, 128) for _ in range(n)]
+
+
+def gemm_seconds(shape: Shape, prompts: list[list[int]], lengths: list[int]) -> float:
+    """The workload's GEMMs alone: one left-padded prefill (the decoder over every position,
+    the head over each row's last), then a decode step per drawn token with the rows still
+    running, each linear timed in isolation at its batch size (best of 5)."""
+    *layers, head = shape.linears()
+    cache: dict[tuple[int, int, int], float] = {}
+
+    def linear(rows: int, fan_in: int, fan_out: int) -> float:
+        key = (rows, fan_in, fan_out)
+        if key not in cache:
+            x, w = torch.randn(rows, fan_in), torch.randn(fan_out, fan_in)
+            F.linear(x, w)
+            best = float("inf")
+            for _ in range(5):
+                start = time.perf_counter()
+                F.linear(x, w)
+                best = min(best, time.perf_counter() - start)
+            cache[key] = best
+        return cache[key]
+
+    def step(rows: int, positions: int) -> float:
+        body = sum(linear(rows * positions, a, b) for a, b in layers)
+        return body + linear(rows, *head)
+
+    total = step(len(prompts), max(map(len, prompts)))
+    for t in range(1, max(lengths)):  # after t draws, the rows with more to go are fed
+        total += step(sum(n > t for n in lengths), 1)
+    return total
 
 
 def run_engine(model, tokenizer, prompts, lengths, fast_forward: bool = True) -> float:
@@ -90,10 +123,12 @@ def main() -> None:
     shape = Shape.of(model.config)
     work = sum(decode_flops(shape, len(p), n) for p, n in zip(prompts, lengths, strict=True))
     peak = gemm_peak()
+    ceiling = work / gemm_seconds(shape, prompts, lengths) / 1e9 / peak
     print(
         f"{args.model}: {args.requests} requests, max_tokens 8-128 (sum {sum(lengths)}), "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{work / 1e9:.2f} model GFLOP, fp32 GEMM peak {peak:.1f} GFLOP/s"
+        f"{work / 1e9:.2f} model GFLOP, fp32 GEMM peak {peak:.1f} GFLOP/s; its GEMMs alone, "
+        f"at each step's batch size: {100 * ceiling:.1f}% MFU"
     )
 
     def mfu(tokens_per_s: float) -> str:
@@ -114,7 +149,9 @@ def main() -> None:
     ratio = statistics.median(r[0] for r in rows)
     alone = statistics.median(r[1] for r in rows)
     print(f"\ncontinuous batching with the HF forward alone: median ratio {alone:.2f}")
-    print(f"{'PASS' if ratio >= 1.5 else 'FAIL'}: median ratio {ratio:.2f} (target >= 1.5)")
+    for target, issue in ((1.5, 3), (2.5, 27)):
+        verdict = "PASS" if ratio >= target else "FAIL"
+        print(f"{verdict}: median ratio {ratio:.2f} (target of issue {issue}: >= {target})")
 
 
 if __name__ == "__main__":

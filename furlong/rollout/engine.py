@@ -3,7 +3,8 @@
 Requests join the running batch as soon as a slot is free and leave as soon as they stop, so
 short answers never wait for long ones. The batch shares one left-padded KV cache: requests
 joining at the same step are prefilled together and their cache rows are padded into the
-batch; a leaving request is selected out and common left padding is trimmed. Every generated
+batch; a leaving request's place goes to a row from the end of the batch (``kv_cache.select``:
+no re-layout of the cache). Every generated
 token comes with its log-prob under the distribution actually sampled from and, on request,
 its kept set (a ``SamplingMask``).
 
@@ -110,6 +111,7 @@ class EmbeddedEngine:
         self.router = self._runner.router
         self.steps = 0  # batch steps run so far (progress, for monitoring and tests)
         self._ids = itertools.count()
+        self._arrivals = itertools.count()  # request order, kept through retracts
         self._cond = threading.Condition()  # guards everything below
         self._queue: deque[RequestState] = deque()
         self._batch = _Batch()
@@ -204,9 +206,9 @@ class EmbeddedEngine:
                 self._finish_aborted(request)
         if keep:
             assert batch.mask is not None and batch.logits is not None  # running rows: prefilled
-            batch.cache, batch.mask = kv_cache.select(batch.cache, batch.mask, keep)
-            batch.logits = batch.logits[keep]
-            batch.running = [batch.running[i] for i in keep]
+            batch.cache, batch.mask, order = kv_cache.select(batch.cache, batch.mask, keep)
+            batch.logits = batch.logits[order]
+            batch.running = [batch.running[i] for i in order]
         else:
             batch.clear()
         self._to_abort.clear()
@@ -242,6 +244,7 @@ class EmbeddedEngine:
             params=params,
             stop_ids=self.stop_ids(params),
             generator=request_generator(params.seed),
+            arrival=next(self._arrivals),
         )
 
     def stop_ids(self, params: SamplingParams) -> frozenset[int]:
@@ -321,7 +324,8 @@ class EmbeddedEngine:
         elif mode == "retract":
             for request in batch.running:
                 keep_sampled_routes(request)
-            self._queue.extendleft(reversed(batch.running))
+            # back to the queue's front in arrival order (leaves reorder the batch's rows)
+            self._queue.extendleft(sorted(batch.running, key=lambda r: r.arrival, reverse=True))
             batch.clear()
         self._pause_request, self._paused = None, True
         self._cond.notify_all()
@@ -427,20 +431,20 @@ class EmbeddedEngine:
         draws = draw_batch(
             batch.logits, [r.params for r in running], [r.generator for r in running]
         )
-        keep, last, finished = [], [], []
+        keep, finished = [], []
         for row, (request, d) in enumerate(zip(running, draws, strict=True)):
             reason = self._record(request, d)
             if reason is None:
                 keep.append(row)
-                last.append(request.output[-1])
             else:
                 finished.append((request, reason, self.weight_version))
         if not keep:
             batch.clear()
             return finished
         if len(keep) < len(running):  # leave
-            batch.running = [running[i] for i in keep]
-            batch.cache, batch.mask = kv_cache.select(batch.cache, batch.mask, keep)
+            batch.cache, batch.mask, order = kv_cache.select(batch.cache, batch.mask, keep)
+            batch.running = [running[i] for i in order]
+        last = [request.output[-1] for request in batch.running]
         batch.logits, batch.mask = self._runner.decode(batch.cache, batch.mask, last, batch.running)
         return finished
 

@@ -5,6 +5,10 @@ a decode step writes one position in place instead of concatenating the whole ca
 transformers' ``DynamicLayer`` does, and what the static ``generate`` baseline pays at every
 step). The layer is a ``DynamicLayer`` to transformers: ``keys``/``values`` are views of the
 filled part.
+
+Rows leave without a re-layout: a kept row from the end of the batch moves into each place
+that frees up below the new batch size, so a leave copies the moved rows only, and the buffer
+shrinks to a view of its first rows (:func:`select`).
 """
 
 from __future__ import annotations
@@ -52,6 +56,17 @@ class GrowingLayer(DynamicLayer):
         self.device, self.is_initialized = keys.device, True
         return filled_keys, filled_values
 
+    @torch.inference_mode()  # the buffers are inference tensors; an abort moves rows outside
+    def move_rows(self, dst: list[int], src: list[int], rows: int) -> None:
+        """Copy rows ``src`` into rows ``dst`` and keep the first ``rows`` (a view, no copy)."""
+        assert self.keys is not None and self.values is not None  # select: filled layers only
+        filled = self.keys.shape[-2]
+        if dst:
+            self._k[dst, :, :filled] = self._k[src, :, :filled]
+            self._v[dst, :, :filled] = self._v[src, :, :filled]
+        self._k, self._v = self._k[:rows], self._v[:rows]
+        self.keys, self.values = self._k[:, :, :filled], self._v[:, :, :filled]
+
     def to(self, device: torch.device | str) -> None:
         """Move the filled part (e.g. to host memory while the engine is offloaded)."""
         if self.is_initialized:
@@ -91,14 +106,32 @@ def merge(
 
 def select(
     cache: DynamicCache, mask: torch.Tensor, rows: list[int]
-) -> tuple[DynamicCache, torch.Tensor]:
-    """Keep ``rows`` of the batch and trim left padding no remaining row needs."""
-    index = torch.tensor(rows)
-    mask = mask[index]
-    lead = int((mask.cumsum(1) == 0).sum(1).min())
-    for layer, keys, values in _filled(cache):
-        _assign(layer, keys[index, :, lead:], values[index, :, lead:])
-    return cache, mask[:, lead:]
+) -> tuple[DynamicCache, torch.Tensor, list[int]]:
+    """Keep ``rows`` (ascending) of the batch; returns the cache, the mask and, for each row of
+    the new batch, the old row it holds.
+
+    A kept row below the new batch size stays in place and each freed place there takes a kept
+    row from above it, so only the moved rows' keys and values are copied (rows change order).
+    When the kept rows' common left padding is more than half the width, or a layer cannot
+    move rows in place, the cache is laid out again in row order without that padding."""
+    n = len(rows)
+    kept = mask[torch.tensor(rows)]
+    lead = int((kept.cumsum(1) == 0).sum(1).min())
+    layers = [layer for layer, _, _ in _filled(cache)]
+    if 2 * lead > mask.shape[1] or not all(isinstance(x, GrowingLayer) for x in layers):
+        index = torch.tensor(rows)
+        for layer, keys, values in _filled(cache):
+            _assign(layer, keys[index, :, lead:], values[index, :, lead:])
+        return cache, kept[:, lead:], list(rows)
+    holes = sorted(set(range(n)) - set(rows))
+    movers = [r for r in rows if r >= n]
+    order = list(range(n))
+    for hole, mover in zip(holes, movers, strict=True):
+        order[hole] = mover
+    for layer in layers:
+        assert isinstance(layer, GrowingLayer)  # checked above
+        layer.move_rows(holes, movers, n)
+    return cache, mask[torch.tensor(order)], order
 
 
 def expand(

@@ -193,6 +193,10 @@ def kept_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     other rows of the batch. Ties at the top-k boundary are broken by vocabulary order."""
     z = logits.to(torch.float32, copy=True)
     rows, vocab = z.shape
+    if _untruncated(params):  # every row samples its whole distribution: nothing to mask
+        if any(p.temperature != 1.0 for p in params):
+            z /= torch.tensor([[p.temperature] for p in params], dtype=torch.float32)
+        return torch.log_softmax(z, dim=-1)
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
     greedy = temps == 0
     z /= torch.where(greedy, 1.0, temps).unsqueeze(-1)
@@ -228,10 +232,13 @@ def draw_batch(
     u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
     cdf = torch.cumsum(logp.exp().double(), dim=-1)
     tokens = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    # u can land on a zero-width step at the end: take the last kept id at or before it.
-    index = torch.arange(logp.shape[1])
-    eligible = torch.isfinite(logp) & (index <= tokens.clamp(max=logp.shape[1] - 1).unsqueeze(-1))
-    tokens = torch.where(eligible, index, -1).amax(-1)
+    tokens = tokens.clamp_(max=logp.shape[1] - 1)
+    if not _untruncated(params):
+        # u can land on a zero-width step at the end: take the last kept id at or before it
+        # (with nothing masked every id is kept, so the clamp above is that id)
+        index = torch.arange(logp.shape[1])
+        eligible = torch.isfinite(logp) & (index <= tokens.unsqueeze(-1))
+        tokens = torch.where(eligible, index, -1).amax(-1)
     chosen = logp.gather(1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
     draws = []
     for row, (p, token) in enumerate(zip(params, tokens.tolist(), strict=True)):
@@ -242,6 +249,11 @@ def draw_batch(
             top = tuple(zip(ids.tolist(), values.tolist(), strict=True))
         draws.append(Draw(token, chosen[row], kept, top))
     return draws
+
+
+def _untruncated(params: Sequence[SamplingParams]) -> bool:
+    """Every row samples (temperature > 0) from its whole vocabulary (no top-k, top-p, min-p)."""
+    return all(p.temperature > 0 and not p.truncates for p in params)
 
 
 def kept_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from furlong.errors import InputError
-from furlong.rollout.sampling import SamplingParams, draw, kept_distribution, request_generator
+from furlong.rollout.sampling import (
+    SamplingParams,
+    draw,
+    draw_batch,
+    kept_distribution,
+    request_generator,
+)
 
 LOGITS = torch.tensor([2.0, 0.5, -1.0, 1.5, 0.0, 3.0, -2.0, 1.0])
 
@@ -67,6 +73,29 @@ def test_seeded_draws_repeat_and_stay_in_the_kept_set() -> None:
 
     assert run(7) == run(7)
     assert run(7) != run(8)
+
+
+def test_a_rows_draw_does_not_depend_on_its_batch() -> None:
+    """Whole-vocabulary rows drawn alone (the batch skips masking) equal the same rows drawn
+    beside a top-k row and a greedy row (the batch masks): same tokens, and log-probs equal to
+    log_softmax(logits / temperature) at the token."""
+    plain = [SamplingParams(temperature=t, seed=s) for t, s in ((1.0, 3), (0.6, 4))]
+    others = [SamplingParams(top_k=2, seed=5), SamplingParams(temperature=0.0, seed=6)]
+    logits = torch.stack([LOGITS, LOGITS.flip(0), LOGITS * 0.5, LOGITS + 1])
+    for _ in range(20):
+        seeds = [p.seed for p in plain + others]
+        gens = [request_generator(s) for s in seeds]
+        alone = draw_batch(logits[:2], plain, gens[:2])
+        gens = [request_generator(s) for s in seeds]
+        mixed = draw_batch(logits, plain + others, gens)
+        for row, (a, m, p) in enumerate(zip(alone, mixed, plain, strict=False)):
+            assert a.token == m.token
+            want = torch.log_softmax(logits[row] / p.temperature, -1)[a.token]
+            assert a.logprob == pytest.approx(float(want), abs=1e-6)
+            assert m.logprob == pytest.approx(float(want), abs=1e-6)
+        assert mixed[2].token in logits[2].topk(2).indices.tolist()
+        assert mixed[3].token == int(logits[3].argmax())
+        logits = logits.roll(1, -1)  # other tokens on the next round
 
 
 def test_empirical_frequencies_match_the_kept_distribution() -> None:
