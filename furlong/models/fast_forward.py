@@ -109,21 +109,14 @@ def _attention(
     torch's CPU flash-attention backward is ~5x slower in bf16 than in fp32 (436 vs 88 ms on
     small-qwen3, 128 x 70 tokens, AMX CPU), and fp32 only adds accuracy; inference keeps HF's
     bf16 op so samplers stay equal to the HF forward."""
-    low = q.dtype in (torch.bfloat16, torch.float16)
+    dtype = q.dtype
+    low = dtype in (torch.bfloat16, torch.float16)
     if low and q.device.type == "cpu" and torch.is_grad_enabled():
-        o = F.scaled_dot_product_attention(
-            q.float(),
-            k.float(),
-            v.float(),
-            mask,
-            scale=scale,
-            enable_gqa=gqa,
-            is_causal=mask is None,
-        )
-        return o.to(q.dtype)
-    return F.scaled_dot_product_attention(
+        q, k, v = q.float(), k.float(), v.float()  # the result goes back to the input's dtype
+    o = F.scaled_dot_product_attention(
         q, k, v, mask, scale=scale, enable_gqa=gqa, is_causal=mask is None
     )
+    return o.to(dtype)
 
 
 def lora_terms(m: HFModule) -> list[tuple[torch.Tensor, torch.Tensor, float]]:

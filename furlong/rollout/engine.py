@@ -68,6 +68,15 @@ class _Batch:
     def clear(self) -> None:
         self.running, self.cache, self.mask, self.logits = [], None, None, None
 
+    def keep(self, rows: list[int]) -> None:
+        """Keep ``rows`` (ascending, not empty): their cache, mask, requests and next logits, in
+        the order ``kv_cache.select`` leaves them."""
+        assert self.mask is not None  # running rows: prefilled
+        self.cache, self.mask, order = kv_cache.select(self.cache, self.mask, rows)
+        self.running = [self.running[i] for i in order]
+        if self.logits is not None:
+            self.logits = self.logits[order]
+
 
 class EmbeddedEngine:
     """Rollout on an in-process HF model (the CPU default; also the tests' reference).
@@ -205,10 +214,7 @@ class EmbeddedEngine:
             if id(request) in self._to_abort:
                 self._finish_aborted(request)
         if keep:
-            assert batch.mask is not None and batch.logits is not None  # running rows: prefilled
-            batch.cache, batch.mask, order = kv_cache.select(batch.cache, batch.mask, keep)
-            batch.logits = batch.logits[order]
-            batch.running = [batch.running[i] for i in order]
+            batch.keep(keep)
         else:
             batch.clear()
         self._to_abort.clear()
@@ -441,9 +447,9 @@ class EmbeddedEngine:
         if not keep:
             batch.clear()
             return finished
+        batch.logits = None  # drawn from: the decode below gives the next ones
         if len(keep) < len(running):  # leave
-            batch.cache, batch.mask, order = kv_cache.select(batch.cache, batch.mask, keep)
-            batch.running = [running[i] for i in order]
+            batch.keep(keep)
         last = [request.output[-1] for request in batch.running]
         batch.logits, batch.mask = self._runner.decode(batch.cache, batch.mask, last, batch.running)
         return finished

@@ -114,13 +114,13 @@ def select(
     row from above it, so only the moved rows' keys and values are copied (rows change order).
     When the kept rows' common left padding is more than half the width, or a layer cannot
     move rows in place, the cache is laid out again in row order without that padding."""
-    n = len(rows)
-    kept = mask[torch.tensor(rows)]
+    n, index = len(rows), torch.tensor(rows)
+    kept = mask[index]
     lead = int((kept.cumsum(1) == 0).sum(1).min())
-    layers = [layer for layer, _, _ in _filled(cache)]
-    if 2 * lead > mask.shape[1] or not all(isinstance(x, GrowingLayer) for x in layers):
-        index = torch.tensor(rows)
-        for layer, keys, values in _filled(cache):
+    filled = list(_filled(cache))
+    growing = [layer for layer, _, _ in filled if isinstance(layer, GrowingLayer)]
+    if 2 * lead > mask.shape[1] or len(growing) < len(filled):
+        for layer, keys, values in filled:
             _assign(layer, keys[index, :, lead:], values[index, :, lead:])
         return cache, kept[:, lead:], list(rows)
     holes = sorted(set(range(n)) - set(rows))
@@ -128,8 +128,7 @@ def select(
     order = list(range(n))
     for hole, mover in zip(holes, movers, strict=True):
         order[hole] = mover
-    for layer in layers:
-        assert isinstance(layer, GrowingLayer)  # checked above
+    for layer in growing:
         layer.move_rows(holes, movers, n)
     return cache, mask[torch.tensor(order)], order
 

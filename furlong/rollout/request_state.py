@@ -28,7 +28,7 @@ class RequestState:
     params: SamplingParams
     stop_ids: frozenset[int]
     generator: torch.Generator
-    arrival: int = 0  # the engine's running count of requests: the order they came in
+    arrival: int  # the engine's running count of requests: the order they came in
     future: Future = field(default_factory=Future)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
