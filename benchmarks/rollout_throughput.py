@@ -6,8 +6,9 @@ on a tiny offline model. The baseline is one batched ``generate`` call (left pad
 wait for long ones. Useful tokens (each request's own ``max_tokens``) per second are compared;
 candidate and baseline alternate over ``--repeats`` rounds and the median of per-round ratios
 is reported. Target: >= 1.5x. The engine also runs with ``fast_forward=False`` (the HF forward
-for every step) to show what continuous batching alone gives. Each side's model-FLOPs
-utilisation is printed beside this machine's fp32 GEMM peak measured in the same run
+for every step) to show what continuous batching alone gives, and with FastForward on ATen's ops
+only (``FURLONG_FUSED_KERNELS=0``) to show what the fused norm/rotary kernels give. Each side's
+model-FLOPs utilisation is printed beside this machine's fp32 GEMM peak measured in the same run
 (benchmarks/flops.py: the useful work, each request's own prompt and tokens; padding and
 recomputation not counted), with the ceiling this workload's batch schedule allows: the MFU if
 the run were its GEMMs alone (each step's projections and head at the step's batch size, timed
@@ -19,10 +20,13 @@ Run: ``.venv/bin/python benchmarks/rollout_throughput.py [--model small-qwen3]``
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flops import Shape, decode_flops, gemm_peak  # noqa: E402
 
 from furlong.models import load_model  # noqa: E402
+from furlong.models.fused_kernels import fused_kernels  # noqa: E402
 from furlong.rollout.engine import EmbeddedEngine  # noqa: E402
 from furlong.rollout.sampling import SamplingParams  # noqa: E402
 
@@ -76,6 +81,22 @@ def gemm_seconds(shape: Shape, prompts: list[list[int]], lengths: list[int]) -> 
     for t in range(1, max(lengths)):  # after t draws, the rows with more to go are fed
         total += step(sum(n > t for n in lengths), 1)
     return total
+
+
+@contextmanager
+def aten_ops_only() -> Iterator[None]:
+    """FastForward without the fused kernels, as ``FURLONG_FUSED_KERNELS=0`` makes it."""
+    before = os.environ.get("FURLONG_FUSED_KERNELS")
+    os.environ["FURLONG_FUSED_KERNELS"] = "0"
+    fused_kernels.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["FURLONG_FUSED_KERNELS"]
+        else:
+            os.environ["FURLONG_FUSED_KERNELS"] = before
+        fused_kernels.cache_clear()
 
 
 def run_engine(model, tokenizer, prompts, lengths, fast_forward: bool = True) -> float:
@@ -134,21 +155,26 @@ def main() -> None:
     def mfu(tokens_per_s: float) -> str:
         return f"{100 * work / (sum(lengths) / tokens_per_s) / 1e9 / peak:4.1f}% MFU"
 
+    kernels = "fused kernels" if fused_kernels() is not None else "no fused kernels (ATen's ops)"
+    print(f"engine: FastForward with {kernels}")
     run_engine(model, tokenizer, prompts[:2], [4, 4])  # warm-up
     rows = []
     for _ in range(args.repeats):
         ours = run_engine(model, tokenizer, prompts, lengths)
+        with aten_ops_only():
+            aten = run_engine(model, tokenizer, prompts, lengths)
         hf_steps = run_engine(model, tokenizer, prompts, lengths, fast_forward=False)
         base = run_generate(model, tokenizer, prompts, lengths)
-        rows.append((ours / base, hf_steps / base))
+        rows.append((ours / base, aten / base, hf_steps / base))
         print(
-            f"engine {ours:8.1f} tok/s ({mfu(ours)})   engine (HF forward) {hf_steps:8.1f} tok/s "
-            f"({mfu(hf_steps)})   generate {base:8.1f} tok/s ({mfu(base)})   "
-            f"ratios {ours / base:.2f} / {hf_steps / base:.2f}"
+            f"engine {ours:7.1f} tok/s ({mfu(ours)})  ATen ops only {aten:7.1f} ({mfu(aten)})  "
+            f"HF forward {hf_steps:7.1f} ({mfu(hf_steps)})  generate {base:7.1f} "
+            f"({mfu(base)})  ratios {ours / base:.2f} / {aten / base:.2f} / {hf_steps / base:.2f}"
         )
-    ratio = statistics.median(r[0] for r in rows)
-    alone = statistics.median(r[1] for r in rows)
+    ratio, aten_ratio, alone = (statistics.median(r[i] for r in rows) for i in range(3))
     print(f"\ncontinuous batching with the HF forward alone: median ratio {alone:.2f}")
+    gain = statistics.median(r[0] / r[1] for r in rows)
+    print(f"ATen's ops only: median ratio {aten_ratio:.2f} (fused / ATen: {gain:.2f}x)")
     for target, issue in ((1.5, 3), (2.5, 27)):
         verdict = "PASS" if ratio >= target else "FAIL"
         print(f"{verdict}: median ratio {ratio:.2f} (target of issue {issue}: >= {target})")

@@ -3,13 +3,19 @@
 On CPU with small models one HF forward step costs mostly fixed Python overhead: module
 ``__call__`` machinery, output-capturing decorators, ``create_causal_mask``, the rotary table,
 RMSNorm as five ops. :class:`FastForward` runs the same ops in the same order straight from the
-model's parameters with ``torch.nn.functional``, so logits and cached keys/values equal the HF
-forward's (bit for bit on CPU in fp32 and bf16 when tested; SDPA kernels may differ elsewhere).
+model's parameters with ``torch.nn.functional``.
 
-Two modes. Inference (``__call__``, under ``no_grad``): in-place residual adds. Training
-(:meth:`hidden` with grad enabled): every op out of place, and RMSNorm is one autograd node
-(:class:`_RMSNorm`) whose backward takes four passes over the activations where autograd's
-chain over HF's five forward ops takes about twice as many; its forward is HF's, op for op.
+Two modes. Inference (``__call__``, under ``no_grad``, the rollout engine's prefill and decode
+steps): in-place residual adds, and on CPU in fp32/bf16 the fused kernels of
+:mod:`furlong.models.fused_kernels` (each residual add with the RMSNorm after it; Qwen3's q/k
+norms with the rotary embedding), which round where HF's modules round but sum in another
+order: logits within float tolerance of the HF forward's (1e-5 on the tiny models in fp32),
+not bit for bit; without the kernels, ATen's ops as below. Training and scoring
+(:meth:`hidden`, with or without grad): ATen's ops in HF's order (bit for bit on CPU in fp32 and
+bf16 when tested; SDPA kernels may differ elsewhere), every op out of place under grad, and
+RMSNorm as one autograd node (:class:`_RMSNorm`) whose backward takes four passes over the
+activations where autograd's chain over HF's five forward ops takes about twice as many; its
+forward is HF's, op for op.
 
 Limits: no dropout; only the exact module classes in ``_ARCH``, with SiLU, default RoPE and full
 attention on every layer (:meth:`supports` says no otherwise, e.g. MoE, sliding windows,
@@ -33,6 +39,8 @@ from transformers import Cache
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
+
+from furlong.models.fused_kernels import FusedKernels, fused_kernels
 
 # causal LM class -> the (decoder layer, attention, MLP, RMSNorm) classes it must be built from
 _ARCH: dict[type, tuple[type, ...]] = {
@@ -164,6 +172,21 @@ def _add(h: torch.Tensor, x: torch.Tensor, in_place: bool) -> torch.Tensor:
     return h.add_(x) if in_place else h + x
 
 
+def _residual_norm(
+    h: torch.Tensor,
+    delta: torch.Tensor | None,
+    norm: HFModule,
+    fused: FusedKernels | None,
+    in_place: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream ``h + delta`` (``h`` when ``delta`` is None) and its RMSNorm."""
+    if fused is not None:  # inference: h += delta in the norm's pass
+        return h, fused.rms_norm(h, norm.weight, norm.variance_epsilon, residual=delta)
+    if delta is not None:
+        h = _add(h, delta, in_place)
+    return h, _rms(h, norm)
+
+
 class FastForward:
     """``model(...).logits`` of a dense Qwen3/Qwen2/Llama causal LM, with less per-step overhead.
 
@@ -186,6 +209,8 @@ class FastForward:
         inv_freq = hf.model.rotary_emb.inv_freq.float()
         self._inv_freq = torch.cat((inv_freq, inv_freq))
         self._sign = torch.cat((-torch.ones_like(inv_freq), torch.ones_like(inv_freq)))
+        norm_cls = _ARCH[type(hf)][3]
+        self._norms: list[HFModule] = [m for m in hf.model.modules() if type(m) is norm_cls]
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -246,10 +271,16 @@ class FastForward:
         if torch.is_grad_enabled():  # inference only: the residual adds below are in place
             with torch.no_grad():
                 return self(input_ids, attention_mask, position_ids, cache, logits_to_keep)
-        h = self._layers(input_ids, attention_mask, position_ids, cache)
+        fused = self._fused(input_ids)
+        h = self._layers(input_ids, attention_mask, position_ids, cache, fused)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        return _linear(_rms(h, self.model.model.norm), self.model.lm_head)
+        norm = self.model.model.norm
+        if fused is not None:
+            x = fused.rms_norm(h, norm.weight, norm.variance_epsilon)
+        else:
+            x = _rms(h, norm)
+        return _linear(x, self.model.lm_head)
 
     def hidden(
         self,
@@ -261,8 +292,19 @@ class FastForward:
         """The decoder's output ``[B, T, H]`` (after the final norm), what the HF decoder's
         ``last_hidden_state`` holds; differentiable when grad is enabled. Without ``cache`` the
         keys and values are used as computed (a training pass keeps no cache)."""
-        h = self._layers(input_ids, attention_mask, position_ids, cache)
+        # ATen's ops with or without grad, so a forward-only pass equals forward_backward's
+        h = self._layers(input_ids, attention_mask, position_ids, cache, None)
         return _rms(h, self.model.model.norm)
+
+    def _fused(self, input_ids: torch.Tensor) -> FusedKernels | None:
+        """The fused CPU kernels for an inference pass when they apply: a CPU model in fp32 or
+        bf16 whose norms are in the model's dtype (HF's norm result follows its weight's)."""
+        dtype = self.model.model.embed_tokens.weight.dtype
+        if input_ids.device.type != "cpu" or not FusedKernels.takes(dtype):
+            return None
+        if any(m.weight.dtype != dtype for m in self._norms):
+            return None
+        return fused_kernels()
 
     def _layers(
         self,
@@ -270,7 +312,9 @@ class FastForward:
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         cache: Cache | None,
+        fused: FusedKernels | None,
     ) -> torch.Tensor:
+        """The residual stream after the last layer; ``fused``: inference only."""
         body = self.model.model
         batch, new = input_ids.shape
         heads, kv_heads, head_dim, scale = self.heads, self.kv_heads, self.head_dim, self.scaling
@@ -292,15 +336,21 @@ class FastForward:
             total = attention_mask.shape[1]
             q_pos = torch.arange(total - new, total, device=h.device)
             mask = pad & (q_pos[:, None] >= torch.arange(total, device=h.device))
+        delta = None  # the last layer's MLP output, not yet added to h
         for i, layer in enumerate(body.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            x = _rms(h, layer.input_layernorm)
+            h, x = _residual_norm(h, delta, layer.input_layernorm, fused, in_place)
             q = _linear(x, attn.q_proj).view(batch, new, heads, head_dim)
             k = _linear(x, attn.k_proj).view(batch, new, kv_heads, head_dim)
             v = _linear(x, attn.v_proj).view(batch, new, kv_heads, head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rotary
-                q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            qk_norm = hasattr(attn, "q_norm")  # Qwen3: per-head RMSNorm before rotary
+            if fused is not None:
+                norms = (attn.q_norm, attn.k_norm) if qk_norm else ()
+                fused.qk_rope(q, k, cos, sin, *[(n.weight, n.variance_epsilon) for n in norms])
+            else:
+                if qk_norm:
+                    q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             k, v = k.transpose(1, 2), v.transpose(1, 2)
             if cache is not None:
                 k, v = cache.update(k, v, i)
@@ -315,11 +365,12 @@ class FastForward:
                 q = q.transpose(1, 2)
                 o = _attention(q, k, v, mask, scale, gqa)
                 o = o.transpose(1, 2).reshape(batch * new, heads * head_dim)
-            h = _add(h, _linear(o, attn.o_proj), in_place)
-            x = _rms(h, layer.post_attention_layernorm)
+            delta = _linear(o, attn.o_proj)
+            h, x = _residual_norm(h, delta, layer.post_attention_layernorm, fused, in_place)
             a = F.silu(_linear(x, mlp.gate_proj), inplace=in_place)
             a = a.mul_(_linear(x, mlp.up_proj)) if in_place else a * _linear(x, mlp.up_proj)
-            h = _add(h, _linear(a, mlp.down_proj), in_place)
+            delta = _linear(a, mlp.down_proj)
+        h = h if delta is None else _add(h, delta, in_place)
         return h.view(batch, new, -1)
 
     def _rotary(

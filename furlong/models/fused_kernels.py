@@ -1,0 +1,206 @@
+"""Fused CPU kernels for :class:`~furlong.models.fast_forward.FastForward`'s inference passes.
+
+A small model's decode step on CPU spends more time in ATen's per-op overhead than in its
+elementwise arithmetic: ``torch.rms_norm`` is ~8 ops, Qwen3's per-head q/k norms and the two
+rotary embeddings are ~25 more per layer. ``fused_ops.c`` does each group in one pass: the
+residual add with the RMSNorm after it, and the q/k norms with the rotary embedding (in place).
+Both round where HF's modules round (fp32, or bf16 with fp32 statistics), so logits stay within
+the float tolerance of the HF forward's, not bit-identical (the sums run in another order).
+
+The library is compiled on first use with the system C compiler (``$CC``, else ``cc``) for
+this CPU (``-march=native``) and cached under ``<cache>/kernels/`` (``<cache>``: as for the
+pretrained models), keyed by the source, flags, compiler and CPU. Without a compiler, when the
+build fails, or with ``FURLONG_FUSED_KERNELS=0``, :func:`fused_kernels` is None and
+FastForward runs the same ops through ATen. Inference only: no autograd.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from ctypes import c_float, c_int64, c_void_p
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from furlong.atomic import replacing
+from furlong.models.pretrained import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("fused_ops.c")
+# no -ffast-math and no FMA contraction: each float op rounds as written
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
+DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+MAX_HEAD_DIM = 1024  # fused_ops.c's scratch row
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), *FLAGS, version, platform.machine(), _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"fused_ops-{key}.so"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with replacing(path) as tmp:  # concurrent builders each rename a whole library
+            subprocess.run(
+                [compiler, *FLAGS, "-o", str(tmp), str(SOURCE)],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=120,
+            )
+    return path
+
+
+@functools.cache
+def fused_kernels() -> FusedKernels | None:
+    """The compiled kernels, or None (disabled, no compiler, or a failed build: logged once)."""
+    if os.environ.get("FURLONG_FUSED_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler: FastForward keeps ATen's ops for its norms and rotary")
+        return None
+    try:
+        return FusedKernels(ctypes.CDLL(str(_build(compiler))))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        log.warning("fused CPU kernels unavailable, using ATen's ops: %s", str(detail)[-500:])
+        return None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedKernels:
+    """Typed entry points to ``fused_ops.c``; every tensor is checked before its pointer goes
+    to C (a wrong stride there would write outside the tensor)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._rms: dict[torch.dtype, Any] = {}  # dtype -> its C function
+        self._rope: dict[torch.dtype, Any] = {}
+        for dtype, name in DTYPES.items():
+            rms = getattr(lib, f"rms_norm_{name}")
+            rms.argtypes = [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p]
+            rms.argtypes += [c_int64, c_int64, c_float]
+            rope = getattr(lib, f"qk_rope_{name}")
+            rope.argtypes = [c_void_p] * 6 + [c_int64] * 4 + [c_float, c_float]
+            rms.restype = rope.restype = None
+            self._rms[dtype], self._rope[dtype] = rms, rope
+
+    @staticmethod
+    def takes(dtype: torch.dtype) -> bool:
+        """Whether CPU tensors of ``dtype`` have kernels."""
+        return dtype in DTYPES
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``weight * x_hat`` over the last dim, as HF's RMSNorm; with ``residual``, ``x`` (then
+        contiguous) first becomes ``x + residual`` in place, the decoder's residual add."""
+        if residual is None:
+            x = x.contiguous()  # a no-op but for a slice such as the last position's rows
+        else:
+            _check(residual.shape == x.shape and residual.is_contiguous(), "residual", residual)
+            _same(x, residual)
+        n = x.shape[-1]
+        _same(x, weight)
+        _check(x.is_contiguous() and weight.shape == (n,) and weight.is_contiguous(), "x, w", x)
+        y = torch.empty_like(x)
+        self._rms[x.dtype](
+            x.data_ptr(),
+            n,
+            _ptr(residual),
+            n,
+            weight.data_ptr(),
+            y.data_ptr(),
+            x.numel() // n,
+            n,
+            eps,
+        )
+        return y
+
+    def qk_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_norm: tuple[torch.Tensor, float] | None = None,
+        k_norm: tuple[torch.Tensor, float] | None = None,
+    ) -> None:
+        """In place on ``q [..., heads, hd]`` and ``k [..., kv_heads, hd]`` (dense): the
+        optional per-head RMSNorms (weight, eps), then the rotary embedding with ``cos`` and
+        sign-folded ``sin`` (dense, one ``hd`` row per leading index of q and k)."""
+        *_, q_heads, hd = q.shape
+        *_, k_heads, k_hd = k.shape
+        rows = q.numel() // (q_heads * hd)
+        _same(q, k)
+        _same(q, cos)
+        _same(q, sin)
+        ok = q.is_contiguous() and k.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+        ok = ok and k_hd == hd and hd % 2 == 0 and hd <= MAX_HEAD_DIM
+        ok = ok and k.numel() == rows * k_heads * hd and cos.numel() == sin.numel() == rows * hd
+        _check(ok, "dense q [rows, heads, hd], k [rows, kv_heads, hd], cos/sin [rows, hd]", q)
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("fused kernel: q_norm and k_norm come together")
+        q_w, q_eps = q_norm or (None, 0.0)
+        k_w, k_eps = k_norm or (None, 0.0)
+        if q_w is not None and k_w is not None:
+            _same(q, q_w)
+            _same(q, k_w)
+            ok = q_w.shape == k_w.shape == (hd,) and q_w.is_contiguous() and k_w.is_contiguous()
+            _check(ok, "norm weights [hd]", q_w)
+        self._rope[q.dtype](
+            q.data_ptr(),
+            k.data_ptr(),
+            _ptr(q_w),
+            _ptr(k_w),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            rows,
+            q_heads,
+            k_heads,
+            hd,
+            q_eps,
+            k_eps,
+        )
+
+
+def _check(ok: bool, what: str, t: torch.Tensor) -> None:
+    if not ok:
+        raise ValueError(
+            f"fused kernel: expected {what}, got shape {tuple(t.shape)} strides {t.stride()}"
+        )
+
+
+def _same(x: torch.Tensor, t: torch.Tensor) -> None:
+    if t.dtype is not x.dtype or not t.is_cpu or not x.is_cpu or x.dtype not in DTYPES:
+        raise ValueError(
+            f"fused kernel: expected CPU tensors of one dtype (float32 or bfloat16), got "
+            f"{x.dtype} on {x.device} and {t.dtype} on {t.device}"
+        )
