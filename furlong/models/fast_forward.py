@@ -40,7 +40,7 @@ from transformers.models.llama import modeling_llama as llama
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
-from furlong.models.fused_kernels import FusedKernels, fused_kernels
+from furlong.models.fused_kernels import MAX_HEAD_DIM, FusedKernels, fused_kernels
 
 # causal LM class -> the (decoder layer, attention, MLP, RMSNorm) classes it must be built from
 _ARCH: dict[type, tuple[type, ...]] = {
@@ -271,7 +271,7 @@ class FastForward:
         if torch.is_grad_enabled():  # inference only: the residual adds below are in place
             with torch.no_grad():
                 return self(input_ids, attention_mask, position_ids, cache, logits_to_keep)
-        fused = self._fused(input_ids)
+        fused = self._fused()
         h = self._layers(input_ids, attention_mask, position_ids, cache, fused)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
@@ -296,13 +296,13 @@ class FastForward:
         h = self._layers(input_ids, attention_mask, position_ids, cache, None)
         return _rms(h, self.model.model.norm)
 
-    def _fused(self, input_ids: torch.Tensor) -> FusedKernels | None:
+    def _fused(self) -> FusedKernels | None:
         """The fused CPU kernels for an inference pass when they apply: a CPU model in fp32 or
         bf16 whose norms are in the model's dtype (HF's norm result follows its weight's)."""
-        dtype = self.model.model.embed_tokens.weight.dtype
-        if input_ids.device.type != "cpu" or not FusedKernels.takes(dtype):
-            return None
-        if any(m.weight.dtype != dtype for m in self._norms):
+        weight = self.model.model.embed_tokens.weight
+        applies = weight.is_cpu and FusedKernels.takes(weight.dtype)
+        applies = applies and self.head_dim <= MAX_HEAD_DIM
+        if not applies or any(m.weight.dtype != weight.dtype for m in self._norms):
             return None
         return fused_kernels()
 

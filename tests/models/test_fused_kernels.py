@@ -16,6 +16,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_
 from furlong.models import fused_kernels as fk
 from furlong.models import load_model
 from furlong.models.fast_forward import FastForward
+from furlong.rollout import kv_cache
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
@@ -180,3 +181,30 @@ def test_without_kernels_fast_forward_uses_aten(monkeypatch, tmp_path, caplog, e
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     finally:
         fk.fused_kernels.cache_clear()
+
+
+def test_fast_forward_in_bf16_and_its_fallback_for_fp32_norms(kernels) -> None:
+    """A bf16 model's decode steps through the kernels stay at HF's bf16 logits (the same
+    roundings; SDPA and the GEMMs are shared); a norm kept in fp32 (HF then returns fp32 from
+    it) sends the pass to ATen's ops instead of the kernels."""
+    model, _ = load_model("tiny-qwen3")
+    model.to(torch.bfloat16)
+    fast = FastForward(model)
+    assert fast._fused() is kernels
+    ids = torch.randint(1, model.config.vocab_size, (3, 6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6, [0, 0, 0, 0, 0, 1]])
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    ours, ref = kv_cache.new_cache(model.config), kv_cache.new_cache(model.config)
+    with torch.no_grad():
+        for _ in range(4):
+            got = fast(ids, mask, pos, ours)
+            want = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=ref).logits[
+                :, -1:
+            ]
+            diff = (got.float() - want.float()).abs().max().item()
+            assert diff <= 2**-6 * want.float().abs().max().item(), diff  # ~2 bf16 steps
+            ids = got.argmax(-1)
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+            pos = mask.sum(1, keepdim=True) - 1
+    model.model.layers[0].post_attention_layernorm.float()
+    assert fast._fused() is None
