@@ -98,14 +98,30 @@ def test_a_client_that_hangs_up_aborts_its_queued_turn() -> None:
         assert len(server.get(sid).records) == 1
 
 
+def hold_after_first_token(engine: EmbeddedEngine) -> None:
+    """Make the engine's first step wait until an abort is asked for: the turn is then
+    mid-generation when its client hangs up, however fast the machine (a fast CPU writes the
+    whole reply in under the client's 0.3 s)."""
+    step = engine._step
+
+    def held(joining):
+        finished = step(joining)
+        if engine.steps == 1:
+            wait_for(lambda: engine._to_abort, "the hang-up never asked for an abort")
+        return finished
+
+    engine._step = held  # type: ignore[method-assign]
+
+
 def test_a_client_that_hangs_up_mid_generation_frees_the_session_at_once() -> None:
     with serve(pause_mode="abort") as (server, spy, client):
         sid = open_session(client)
-        hang_up(client, sid, seed=1, max_tokens=1500)  # 1,500 tokens take tens of seconds
+        hold_after_first_token(spy.engine)
+        hang_up(client, sid, seed=1, max_tokens=1500)
         retry = turn(client, sid, USER, seed=2, max_tokens=4)
         (aborted,) = info(client, sid)["aborted"]
         assert aborted["reason"] == "client_disconnected"
-        assert aborted["output_tokens"] < 1500  # stopped part way, not run to the end
+        assert aborted["output_tokens"] == 1  # stopped part way, after its first token
         (record,) = server.get(sid).records  # only the retry committed
         assert len(record.output_ids) <= 4 and retry["role"] == "assistant"
         assert not spy.engine.busy
