@@ -97,9 +97,10 @@ def _linear(x: torch.Tensor, m: HFModule) -> torch.Tensor:
     dtype = out.dtype
     for lora_a, lora_b, scaling in lora_terms(m):
         xa = F.linear(x.to(lora_a.dtype), lora_a)
-        if torch.is_grad_enabled():  # training: the scale and the add ride on B's GEMM
+        if torch.is_grad_enabled():  # training: the scale and the add ride on B's GEMM,
+            # in place (no copy of the base's output): no backward reads a linear's output
             flat = out.flatten(0, -2).to(lora_b.dtype)
-            out = torch.addmm(flat, xa.flatten(0, -2), lora_b.t(), alpha=scaling).view(out.shape)
+            out = flat.addmm_(xa.flatten(0, -2), lora_b.t(), alpha=scaling).view(out.shape)
         else:  # inference keeps peft's rounding, op for op (samplers equal peft's forward)
             out = out + F.linear(xa, lora_b) * scaling
     return out.to(dtype)
