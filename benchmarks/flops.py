@@ -62,7 +62,8 @@ def attention_flops(shape: Shape, lengths: list[int], new: int | None = None) ->
 
 def train_flops(shape: Shape, lengths: list[int], lora_rank: int | None = None) -> float:
     """One forward and backward over sequences of ``lengths``: full fine-tuning, or a LoRA
-    adapter of ``lora_rank`` on every linear (frozen base: no base weight gradient)."""
+    adapter of ``lora_rank`` on every linear (frozen base and embedding: no base weight
+    gradient, no gradient into the embedding)."""
     tokens = sum(lengths)
     weights = sum(a * b for a, b in shape.linears())
     per_pass = 2.0 * weights * tokens
@@ -71,6 +72,10 @@ def train_flops(shape: Shape, lengths: list[int], lora_rank: int | None = None) 
     else:
         adapter = sum(lora_rank * (a + b) for a, b in shape.linears())
         dense = 2 * per_pass + 3 * 2.0 * adapter * tokens
+        # the embedding is frozen: nothing needs the gradient of the first layer's input, so
+        # its q, k and v projections (base and adapter A) have none
+        q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        dense -= 2.0 * tokens * shape.hidden * (q + 2 * kv + 3 * lora_rank)
     return dense + 3 * attention_flops(shape, lengths)
 
 

@@ -22,7 +22,10 @@ def test_hand_counted() -> None:
     assert attention_flops(SHAPE, [2]) == 4 * 2 * (1 + 2)  # 24: contexts 1 and 2
     assert attention_flops(SHAPE, [3], new=1) == 4 * 2 * 3
     assert train_flops(SHAPE, [2]) == 3 * 2 * 44 * 2 + 3 * 24  # 600
-    assert train_flops(SHAPE, [2], lora_rank=1) == 2 * 2 * 44 * 2 + 3 * 2 * 38 * 2 + 3 * 24
+    # LoRA: no first-layer input gradient through q, k, v (2x2 each) and their A (2x1 each)
+    no_input_grad = 2 * 2 * (3 * 2 * 2 + 3 * 2 * 1)
+    lora = 2 * 2 * 44 * 2 + 3 * 2 * 38 * 2 - no_input_grad + 3 * 24
+    assert train_flops(SHAPE, [2], lora_rank=1) == lora
     # 2 prompt tokens, 2 new: the decoder runs on 3 positions (the last new token is never fed
     # back), the head on 2 (each sampled token's logits)
     assert decode_flops(SHAPE, prompt=2, new=2, batch=3) == 3 * (
