@@ -150,3 +150,47 @@ def test_runs_a_lora_view_as_peft_does(tmp_path) -> None:
     dropout.lora_dropout = 0.1
     other = lora.add_adapter(None, base, "m_b", dropout, seed=0).get_base_model()
     assert not FastForward.supports(other)
+
+
+def test_a_bf16_rollout_cache_holds_fp32_and_attends_in_fp32() -> None:
+    """A bf16 CPU model's rollout cache keeps its keys and values in fp32, each exactly the bf16
+    value it was computed as, and its decode attention is an fp32 SDPA over them: the attention
+    output equals fp32 attention over the bf16 q, k and v to fp32 rounding, where bf16 SDPA is
+    off by up to a bf16 step."""
+    model, _ = load_model("tiny-qwen3")
+    model.to(torch.bfloat16)
+    fast, cache = FastForward(model), kv_cache.new_cache(model.config)
+    ids = torch.randint(
+        1, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)
+    )
+    mask, pos = torch.ones_like(ids), torch.arange(7).expand(2, 7)
+    seen: list[tuple[torch.Tensor, ...]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        out = sdpa(q, k, v, *args, **kwargs)
+        seen.append((q, k, v, out))
+        return out
+
+    with torch.no_grad():
+        fast(ids, mask, pos, cache)  # prefill
+        ids = torch.tensor([[3], [5]])
+        mask, pos = torch.ones(2, 8, dtype=torch.long), torch.tensor([[7], [7]])
+        torch.nn.functional.scaled_dot_product_attention = spy
+        try:
+            logits = fast(ids, mask, pos, cache)  # a decode step
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = sdpa
+    assert logits.dtype == torch.bfloat16
+    for layer in cache.layers:
+        assert layer.keys.dtype == layer.values.dtype == torch.float32
+        assert layer.keys.shape[-2] == 8
+        assert torch.equal(layer.keys, layer.keys.bfloat16().float())  # upcast, not recomputed
+        assert torch.equal(layer.values, layer.values.bfloat16().float())
+    assert len(seen) == model.config.num_hidden_layers
+    for q, k, v, out in seen:
+        assert q.dtype == k.dtype == out.dtype == torch.float32
+        assert torch.equal(q, q.bfloat16().float())
+        scores = (q.double() @ k.double().transpose(-1, -2)) * fast.scaling
+        exact = scores.softmax(-1) @ v.double()
+        assert (out.double() - exact).abs().max() < 1e-5
