@@ -69,6 +69,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "demo_robustness.jsonl")
     parser.add_argument("overrides", nargs="*", help="more key=value settings for every cell")
     args = parser.parse_args()
+    # key=value words after --kernels land in its list: they are overrides
+    args.overrides += [k for k in args.kernels if "=" in k]
+    args.kernels = [k for k in args.kernels if "=" not in k] or cpu_kernels.available()
     unknown = set(args.kernels) - set(cpu_kernels.available())
     if unknown:
         parser.error(f"--kernels: {sorted(unknown)} not runnable here ({cpu_kernels.available()})")
