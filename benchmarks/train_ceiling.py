@@ -82,12 +82,9 @@ def kernel_calls(eng: TrainingEngine, call: LossCall) -> collections.Counter:
             a, b = (shapes[0], shapes[1]) if e.name == "aten::mm" else (shapes[1], shapes[2])
             calls["gemm", (a[0], a[1], b[1])] += 1
         elif e.name in (SDPA, SDPA + "_backward") and shapes:
-            kind = "sdpa backward" if e.name.endswith("backward") else "sdpa forward"
-            q, k = (
-                shapes[0] if kind == "sdpa forward" else shapes[1],
-                shapes[1 if kind == "sdpa forward" else 2],
-            )
-            calls[kind, (tuple(q), tuple(k))] += 1
+            forward = e.name == SDPA  # the backward's first input is the output's gradient
+            q, k = (shapes[0], shapes[1]) if forward else (shapes[1], shapes[2])
+            calls["sdpa forward" if forward else "sdpa backward", (tuple(q), tuple(k))] += 1
     return calls
 
 
@@ -152,7 +149,8 @@ def main() -> None:
         print(f"  {kind} {shape} x{count}: {1e3 * seconds / count:.2f} ms a call alone")
     peak = max(peak, gemm_peak())  # the better of before and after
 
-    achieved = flops / statistics.median(passes) / 1e9
+    median = statistics.median(passes)
+    achieved = flops / median / 1e9
     ceiling = flops / ceiling_s / 1e9
     print()
     print(
@@ -160,10 +158,7 @@ def main() -> None:
         + ", ".join(f"{k} {v:.3f} s" for k, v in by_kind.items())
         + f"; total {ceiling_s:.3f} s"
     )
-    print(
-        f"pass: median {statistics.median(passes):.3f} s (rounds: "
-        f"{', '.join(f'{p:.3f}' for p in passes)})"
-    )
+    print(f"pass: median {median:.3f} s (rounds: {', '.join(f'{p:.3f}' for p in passes)})")
     print(f"achieved {achieved:.1f} model GFLOP/s = {100 * achieved / peak:.0f}% of the peak")
     print(
         f"ceiling  {ceiling:.1f} model GFLOP/s = {100 * ceiling / peak:.0f}% of the peak "

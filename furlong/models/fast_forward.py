@@ -107,26 +107,17 @@ def _linear(x: torch.Tensor, m: HFModule) -> torch.Tensor:
     return out.to(dtype)
 
 
-def _attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    gqa: bool,
-) -> torch.Tensor:
-    """SDPA over a prefill or training pass. A bf16 training pass on CPU runs it in fp32:
-    torch's CPU flash-attention backward is ~5x slower in bf16 than in fp32 (436 vs 88 ms on
-    small-qwen3, 128 x 70 tokens, AMX CPU), and fp32 only adds accuracy; inference keeps HF's
-    bf16 op so samplers stay equal to the HF forward."""
-    dtype = q.dtype
-    low = dtype in (torch.bfloat16, torch.float16)
-    if low and q.device.type == "cpu" and torch.is_grad_enabled():
-        q, k, v = q.float(), k.float(), v.float()  # the result goes back to the input's dtype
-    o = F.scaled_dot_product_attention(
-        q, k, v, mask, scale=scale, enable_gqa=gqa, is_causal=mask is None
-    )
-    return o.to(dtype)
+def _attention_dtype(h: torch.Tensor, cached: bool) -> torch.dtype:
+    """The dtype attention runs in. A bf16/fp16 model on CPU attends in fp32 in a training pass
+    (torch's CPU flash-attention backward is ~5x slower in bf16: 436 vs 88 ms on small-qwen3,
+    128 x 70 tokens, AMX CPU) and over a rollout cache, which then holds fp32 keys and values
+    (its SDPA decodes ~1.4x slower in bf16: 990 vs 706 us, 128 rows x 100 positions). q, k and
+    v are upcast exactly, so fp32 only adds accuracy; scoring without grad or cache keeps HF's
+    bf16 op."""
+    low = h.dtype in (torch.bfloat16, torch.float16)
+    if low and h.is_cpu and (cached or torch.is_grad_enabled()):
+        return torch.float32
+    return h.dtype
 
 
 def lora_terms(m: HFModule) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
@@ -325,12 +316,7 @@ class FastForward:
         cos, sin = self._rotary(position_ids, h.dtype)
         decode = new == 1
         in_place = not torch.is_grad_enabled()  # autograd needs every input it saved intact
-        # the rollout cache of a bf16/fp16 CPU model holds fp32 keys and values (upcast exactly)
-        # and its attention runs in fp32: torch's CPU SDPA decodes ~1.4x slower in bf16 (990
-        # against 706 us, 128 rows x 100 positions); fp32 only adds accuracy
-        attn_dtype = h.dtype
-        if cache is not None and h.is_cpu and h.dtype in (torch.bfloat16, torch.float16):
-            attn_dtype = torch.float32
+        attn_dtype = _attention_dtype(h, cache is not None)
         pad = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, past + new]
         if decode:  # additive: SDPA converts a boolean mask again in every layer
             mask = torch.zeros(pad.shape, dtype=attn_dtype, device=h.device)
@@ -372,7 +358,9 @@ class FastForward:
             else:
                 gqa = heads != kv_heads
                 q = q.transpose(1, 2)
-                o = _attention(q, k, v, mask, scale, gqa)
+                o = F.scaled_dot_product_attention(
+                    q, k, v, mask, scale=scale, enable_gqa=gqa, is_causal=mask is None
+                )
                 o = o.transpose(1, 2).reshape(batch * new, heads * head_dim)
             o = o.to(h.dtype)
             delta = _linear(o, attn.o_proj)

@@ -90,7 +90,7 @@ def _lora_engine(fast_forward: bool, dropout: float = 0.0, dtype: torch.dtype = 
 
 # fp32: summation order only. A bf16 base with fp32 adapters: the adapters round like peft's
 # (base + adapter in fp32, once to bf16 per layer), but a bf16 training pass runs attention in
-# fp32 (fast_forward._attention) where HF runs it in bf16: 0.010 nats and 1.9% of the largest
+# fp32 (fast_forward._attention_dtype) where HF runs it in bf16: 0.010 nats and 1.9% of the largest
 # gradient measured
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (3e-2, 5e-2)}  # logprobs, grads
 
