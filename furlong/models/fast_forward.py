@@ -12,10 +12,14 @@ norms with the rotary embedding), which round where HF's modules round but sum i
 order: logits within float tolerance of the HF forward's (1e-5 on the tiny models in fp32),
 not bit for bit; without the kernels, ATen's ops as below. A bf16/fp16 CPU model's cache
 holds fp32 keys and values (the low-precision values upcast exactly) and attends in fp32.
-Training and scoring (:meth:`hidden`, with or without grad): ATen's ops in HF's order (bit for
-bit on CPU in fp32 and bf16 when tested; SDPA kernels may differ elsewhere), every op out of
-place under grad, and RMSNorm as one autograd node (:class:`_RMSNorm`) whose backward takes
-four passes over the activations where autograd's chain over HF's five forward ops takes about
+Training and scoring (:meth:`hidden`, with or without grad): every op out of place under
+grad; on CPU in fp32/bf16 each RMSNorm and the MLP's ``silu(g) * u`` run as fused kernels with
+their own backward (:mod:`furlong.models.fused_training`: one pass over memory each way where
+ATen takes 2-8; HF's roundings, another summation order, so within float tolerance of HF's
+pass: 1.6e-6 of the largest hidden value on SmolLM2's 30 layers in fp32). Without the kernels,
+ATen's ops in HF's order (bit for bit on CPU in fp32 and bf16 when tested; SDPA kernels may
+differ elsewhere), RMSNorm as one autograd node (:class:`_RMSNorm`) whose backward takes four
+passes over the activations where autograd's chain over HF's five forward ops takes about
 twice as many; its forward is HF's, op for op.
 
 Limits: no dropout; only the exact module classes in ``_ARCH``, with SiLU, default RoPE and full
@@ -41,6 +45,7 @@ from transformers.models.llama import modeling_llama as llama
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
+from furlong.models import fused_training
 from furlong.models.fused_kernels import MAX_HEAD_DIM, FusedKernels, fused_kernels
 
 # causal LM class -> the (decoder layer, attention, MLP, RMSNorm) classes it must be built from
@@ -57,7 +62,9 @@ _ARCH: dict[type, tuple[type, ...]] = {
 HFModule = Any
 
 
-def _rms(x: torch.Tensor, norm: HFModule) -> torch.Tensor:
+def _rms(x: torch.Tensor, norm: HFModule, kernels: FusedKernels | None = None) -> torch.Tensor:
+    if kernels is not None:
+        return fused_training.rms_norm(x.contiguous(), norm.weight, norm.variance_epsilon, kernels)
     if torch.is_grad_enabled() and (x.requires_grad or norm.weight.requires_grad):
         return _RMSNorm.apply(x, norm.weight, norm.variance_epsilon)
     return torch.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
@@ -171,13 +178,14 @@ def _residual_norm(
     norm: HFModule,
     fused: FusedKernels | None,
     in_place: bool,
+    train: FusedKernels | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream ``h + delta`` (``h`` when ``delta`` is None) and its RMSNorm."""
     if fused is not None:  # inference: h += delta in the norm's pass
         return h, fused.rms_norm(h, norm.weight, norm.variance_epsilon, residual=delta)
     if delta is not None:
         h = _add(h, delta, in_place)
-    return h, _rms(h, norm)
+    return h, _rms(h, norm, train)
 
 
 class FastForward:
@@ -265,7 +273,7 @@ class FastForward:
             with torch.no_grad():
                 return self(input_ids, attention_mask, position_ids, cache, logits_to_keep)
         fused = self._fused()
-        h = self._layers(input_ids, attention_mask, position_ids, cache, fused)
+        h = self._layers(input_ids, attention_mask, position_ids, cache, fused, None)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         norm = self.model.model.norm
@@ -285,13 +293,14 @@ class FastForward:
         """The decoder's output ``[B, T, H]`` (after the final norm), what the HF decoder's
         ``last_hidden_state`` holds; differentiable when grad is enabled. Without ``cache`` the
         keys and values are used as computed (a training pass keeps no cache)."""
-        # ATen's ops with or without grad, so a forward-only pass equals forward_backward's
-        h = self._layers(input_ids, attention_mask, position_ids, cache, None)
-        return _rms(h, self.model.model.norm)
+        # the same ops with or without grad, so a forward-only pass equals forward_backward's
+        train = self._fused()
+        h = self._layers(input_ids, attention_mask, position_ids, cache, None, train)
+        return _rms(h, self.model.model.norm, train)
 
     def _fused(self) -> FusedKernels | None:
-        """The fused CPU kernels for an inference pass when they apply: a CPU model in fp32 or
-        bf16 whose norms are in the model's dtype (HF's norm result follows its weight's)."""
+        """The fused CPU kernels when they apply: a CPU model in fp32 or bf16 whose norms are
+        in the model's dtype (HF's norm result follows its weight's)."""
         weight = self.model.model.embed_tokens.weight
         applies = weight.is_cpu and FusedKernels.takes(weight.dtype)
         applies = applies and self.head_dim <= MAX_HEAD_DIM
@@ -306,8 +315,10 @@ class FastForward:
         position_ids: torch.Tensor,
         cache: Cache | None,
         fused: FusedKernels | None,
+        train: FusedKernels | None,
     ) -> torch.Tensor:
-        """The residual stream after the last layer; ``fused``: inference only."""
+        """The residual stream after the last layer; ``fused``: the inference kernels (in
+        place), ``train``: the training ones (out of place, with autograd nodes)."""
         body = self.model.model
         batch, new = input_ids.shape
         heads, kv_heads, head_dim, scale = self.heads, self.kv_heads, self.head_dim, self.scaling
@@ -333,7 +344,7 @@ class FastForward:
         delta = None  # the last layer's MLP output, not yet added to h
         for i, layer in enumerate(body.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            h, x = _residual_norm(h, delta, layer.input_layernorm, fused, in_place)
+            h, x = _residual_norm(h, delta, layer.input_layernorm, fused, in_place, train)
             q = _linear(x, attn.q_proj).view(batch, new, heads, head_dim)
             k = _linear(x, attn.k_proj).view(batch, new, kv_heads, head_dim)
             v = _linear(x, attn.v_proj).view(batch, new, kv_heads, head_dim)
@@ -343,7 +354,7 @@ class FastForward:
                 fused.qk_rope(q, k, cos, sin, *[(n.weight, n.variance_epsilon) for n in norms])
             else:
                 if qk_norm:
-                    q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
+                    q, k = _rms(q, attn.q_norm, train), _rms(k, attn.k_norm, train)
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             k, v = k.transpose(1, 2).to(attn_dtype), v.transpose(1, 2).to(attn_dtype)
             q = q.to(attn_dtype)
@@ -364,9 +375,14 @@ class FastForward:
                 o = o.transpose(1, 2).reshape(batch * new, heads * head_dim)
             o = o.to(h.dtype)
             delta = _linear(o, attn.o_proj)
-            h, x = _residual_norm(h, delta, layer.post_attention_layernorm, fused, in_place)
-            a = F.silu(_linear(x, mlp.gate_proj), inplace=in_place)
-            a = a.mul_(_linear(x, mlp.up_proj)) if in_place else a * _linear(x, mlp.up_proj)
+            h, x = _residual_norm(h, delta, layer.post_attention_layernorm, fused, in_place, train)
+            if train is not None:
+                a = fused_training.silu_mul(
+                    _linear(x, mlp.gate_proj), _linear(x, mlp.up_proj), train
+                )
+            else:
+                a = F.silu(_linear(x, mlp.gate_proj), inplace=in_place)
+                a = a.mul_(_linear(x, mlp.up_proj)) if in_place else a * _linear(x, mlp.up_proj)
             delta = _linear(a, mlp.down_proj)
         h = h if delta is None else _add(h, delta, in_place)
         return h.view(batch, new, -1)

@@ -1,17 +1,21 @@
-"""Fused CPU kernels for :class:`~furlong.models.fast_forward.FastForward`'s inference passes.
+"""Fused CPU kernels for :class:`~furlong.models.fast_forward.FastForward`'s passes.
 
-A small model's decode step on CPU spends more time in ATen's per-op overhead than in its
-elementwise arithmetic: ``torch.rms_norm`` is ~8 ops, Qwen3's per-head q/k norms and the two
-rotary embeddings are ~25 more per layer. ``fused_ops.c`` does each group in one pass: the
-residual add with the RMSNorm after it, and the q/k norms with the rotary embedding (in place).
-Both round where HF's modules round (fp32, or bf16 with fp32 statistics), so logits stay within
-the float tolerance of the HF forward's, not bit-identical (the sums run in another order).
+Inference (``fused_ops.c``): a small model's decode step on CPU spends more time in ATen's
+per-op overhead than in its elementwise arithmetic: ``torch.rms_norm`` is ~8 ops, Qwen3's
+per-head q/k norms and the two rotary embeddings are ~25 more per layer. Each group is one pass
+here: the residual add with the RMSNorm after it, and the q/k norms with the rotary embedding
+(in place). Training (``fused_train_ops.c``): an RMSNorm forward that keeps each row's rstd and
+its backward, and the MLP's ``silu(g) * u`` forward and backward, each one pass over memory
+instead of 2-8, split over ``torch.get_num_threads()`` threads. All round where HF's modules
+round (fp32, or bf16 with fp32 statistics), so results stay within the float tolerance of the
+HF forward's, not bit-identical (sums run in another order, ``exp`` is a polynomial).
 
 The library is compiled on first use with the system C compiler (``$CC``, else ``cc``) for
 this CPU (``-march=native``) and cached under ``<cache>/kernels/`` (``<cache>``: as for the
 pretrained models), keyed by the source, flags, compiler and CPU. Without a compiler, when the
 build fails, or with ``FURLONG_FUSED_KERNELS=0``, :func:`fused_kernels` is None and
-FastForward runs the same ops through ATen. Inference only: no autograd.
+FastForward runs the same ops through ATen. These are raw kernels: the autograd nodes over
+the training ones are in :mod:`furlong.models.fused_training`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import os
 import platform
 import shutil
 import subprocess
-from ctypes import c_float, c_int64, c_void_p
+from ctypes import c_float, c_int, c_int64, c_void_p
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +39,16 @@ from furlong.models.pretrained import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("fused_ops.c")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "fused_ops.c", HERE / "fused_train_ops.c")
+HEADER = HERE / "fused_ops.h"
 # no -ffast-math and no FMA contraction: each float op rounds as written
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
+# the training kernels' threads; a compiler without OpenMP builds them single-threaded
+OPENMP = "-fopenmp"
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 MAX_HEAD_DIM = 1024  # fused_ops.c's scratch row
+_SERIAL_BELOW = 1 << 16  # elements: smaller calls run on the calling thread alone
 
 
 def _cpu_flags() -> str:
@@ -50,19 +59,27 @@ def _cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
     ).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), *FLAGS, version, platform.machine(), _cpu_flags()]).encode()
+        "\0".join(
+            [
+                *(f.read_text() for f in (*SOURCES, HEADER)),
+                *flags,
+                version,
+                platform.machine(),
+                _cpu_flags(),
+            ]
+        ).encode()
     ).hexdigest()[:16]
     path = cache_root() / "kernels" / f"fused_ops-{key}.so"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         with replacing(path) as tmp:  # concurrent builders each rename a whole library
             subprocess.run(
-                [compiler, *FLAGS, "-o", str(tmp), str(SOURCE)],
+                [compiler, *flags, "-o", str(tmp), *map(str, SOURCES)],
                 capture_output=True,
                 text=True,
                 check=True,
@@ -81,7 +98,11 @@ def fused_kernels() -> FusedKernels | None:
         log.info("no C compiler: FastForward keeps ATen's ops for its norms and rotary")
         return None
     try:
-        return FusedKernels(ctypes.CDLL(str(_build(compiler))))
+        try:
+            path = _build(compiler, (*FLAGS, OPENMP))
+        except subprocess.CalledProcessError:
+            path = _build(compiler, FLAGS)
+        return FusedKernels(ctypes.CDLL(str(path)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         log.warning("fused CPU kernels unavailable, using ATen's ops: %s", str(detail)[-500:])
@@ -107,6 +128,17 @@ class FusedKernels:
             rope.argtypes = [c_void_p] * 6 + [c_int64] * 4 + [c_float, c_float]
             rms.restype = rope.restype = None
             self._rms[dtype], self._rope[dtype] = rms, rope
+        self._train: dict[tuple[str, torch.dtype], Any] = {}  # (kernel, dtype) -> C function
+        for dtype, name in DTYPES.items():
+            for kernel, args in (
+                ("rms_norm_fwd", [c_void_p] * 4 + [c_int64, c_int64, c_float, c_int]),
+                ("rms_norm_bwd", [c_void_p] * 6 + [c_int64, c_int64, c_int]),
+                ("silu_mul_fwd", [c_void_p] * 3 + [c_int64, c_int]),
+                ("silu_mul_bwd", [c_void_p] * 5 + [c_int64, c_int]),
+            ):
+                fn = getattr(lib, f"{kernel}_{name}")
+                fn.argtypes, fn.restype = args, None
+                self._train[kernel, dtype] = fn
 
     @staticmethod
     def takes(dtype: torch.dtype) -> bool:
@@ -189,6 +221,99 @@ class FusedKernels:
             q_eps,
             k_eps,
         )
+
+    # ---------------------------------------------------------------- training kernels
+
+    def rms_norm_fwd(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``weight * x_hat`` over the last dim of dense ``x`` (as :meth:`rms_norm`), and each
+        row's fp32 rstd ``[rows]`` for :meth:`rms_norm_bwd`."""
+        n = _norm_rows(x, weight)
+        y, rstd = torch.empty_like(x), torch.empty(x.numel() // n, dtype=torch.float32)
+        fn = self._train["rms_norm_fwd", x.dtype]
+        fn(
+            x.data_ptr(),
+            weight.data_ptr(),
+            y.data_ptr(),
+            rstd.data_ptr(),
+            len(rstd),
+            n,
+            eps,
+            _threads(x.numel()),
+        )
+        return y, rstd
+
+    def rms_norm_bwd(
+        self, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradients of :meth:`rms_norm_fwd`: ``dx`` (x's dtype) and ``dw`` (fp32)."""
+        n = _norm_rows(x, weight)
+        rows = x.numel() // n
+        _check(grad.shape == x.shape and grad.is_contiguous(), "grad like x", grad)
+        _same(x, grad)
+        _check(rstd.dtype == torch.float32 and rstd.shape == (rows,), "fp32 rstd [rows]", rstd)
+        threads = _threads(x.numel())
+        dx = torch.empty_like(x)
+        dw = torch.zeros(2, threads, n, dtype=torch.float32)  # per thread: sum, block sum
+        fn = self._train["rms_norm_bwd", x.dtype]
+        fn(
+            grad.data_ptr(),
+            x.data_ptr(),
+            weight.data_ptr(),
+            rstd.data_ptr(),
+            dx.data_ptr(),
+            dw.data_ptr(),
+            rows,
+            n,
+            threads,
+        )
+        return dx, dw[0].sum(0)
+
+    def silu_mul_fwd(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """``silu(g) * u`` (dense, same shape and dtype), rounded as ``F.silu(g) * u``."""
+        _elementwise(g, u)
+        out = torch.empty_like(g)
+        fn = self._train["silu_mul_fwd", g.dtype]
+        fn(g.data_ptr(), u.data_ptr(), out.data_ptr(), g.numel(), _threads(g.numel()))
+        return out
+
+    def silu_mul_bwd(
+        self, grad: torch.Tensor, g: torch.Tensor, u: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradients ``(dg, du)`` of :meth:`silu_mul_fwd` for ``grad``."""
+        _elementwise(g, u)
+        _elementwise(g, grad)
+        dg, du = torch.empty_like(g), torch.empty_like(u)
+        fn = self._train["silu_mul_bwd", g.dtype]
+        fn(
+            grad.data_ptr(),
+            g.data_ptr(),
+            u.data_ptr(),
+            dg.data_ptr(),
+            du.data_ptr(),
+            g.numel(),
+            _threads(g.numel()),
+        )
+        return dg, du
+
+
+def _threads(elements: int) -> int:
+    """The team for a training kernel: torch's intra-op threads, fewer for a small tensor."""
+    return max(1, min(torch.get_num_threads(), elements // _SERIAL_BELOW))
+
+
+def _norm_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
+    n = x.shape[-1]
+    _same(x, weight)
+    ok = x.is_contiguous() and weight.shape == (n,) and weight.is_contiguous()
+    _check(ok and n > 0, "dense x [..., n], w [n]", x)
+    return n
+
+
+def _elementwise(a: torch.Tensor, b: torch.Tensor) -> None:
+    _same(a, b)
+    _check(a.shape == b.shape and a.is_contiguous() and b.is_contiguous(), "dense, alike", b)
 
 
 def _check(ok: bool, what: str, t: torch.Tensor) -> None:

@@ -5,55 +5,7 @@
  * statistics stay in fp32. Single-threaded: inference rows are few.
  * Built and loaded by furlong/models/fused_kernels.py, which checks every tensor's dtype, shape
  * and strides before it passes a pointer here. */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-typedef uint16_t bf16;
-
-static inline float from_bf16(bf16 v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* round to nearest even, as torch's c10::BFloat16 does (a NaN stays a quiet NaN) */
-static inline bf16 to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    bf16 rounded = (bf16)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-    return f != f ? 0x7FC0 : rounded; /* a select, not a branch: the loops stay vectorised */
-}
-
-/* 1 / sqrt(mean(x^2) + eps) in fp32, as torch's rsqrt(x.pow(2).mean(-1) + eps); the sum runs
- * in LANES independent partial sums, which the compiler vectorises without reassociating */
-#define LANES 16
-
-static inline float rstd_f32(const float *x, int64_t n, float eps) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] += x[i + j] * x[i + j];
-    for (; i < n; i++) acc[0] += x[i] * x[i];
-    float s = 0.0f;
-    for (int j = 0; j < LANES; j++) s += acc[j];
-    return 1.0f / sqrtf(s / (float)n + eps);
-}
-
-static inline float rstd_bf16(const bf16 *x, int64_t n, float eps) {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int j = 0; j < LANES; j++) {
-            float v = from_bf16(x[i + j]);
-            acc[j] += v * v;
-        }
-    for (; i < n; i++) acc[0] += from_bf16(x[i]) * from_bf16(x[i]);
-    float s = 0.0f;
-    for (int j = 0; j < LANES; j++) s += acc[j];
-    return 1.0f / sqrtf(s / (float)n + eps);
-}
+#include "fused_ops.h"
 
 /* Per row of n: when d is given, x += d first (the residual add, in place); then
  * y = w * (x * rstd), rstd = 1 / sqrt(mean(x^2) + eps). x rows are x_stride apart, d's are

@@ -92,16 +92,22 @@ def test_engine_logprobs_equal_an_hf_forward(shared, fast: bool) -> None:
             (got["logprobs"].double() - exact_head_logprobs(model, ids)).abs().max().item()
             for ids, got in zip(batch, out.outputs, strict=True)
         ]
-        # the trunk itself: FastForward's decoder output is HF's (bit for bit when measured)
+        # the trunk itself: FastForward's decoder output is HF's, bit for bit on ATen's ops, and
+        # within fp32 rounding through the fused norm and MLP kernels (sums in another order:
+        # 5.5e-5 measured, 1.6e-6 of the largest |h|, 34)
         x = torch.tensor(batch[:1])
         hf = model.model(x).last_hidden_state
-        ff = FastForward(model).hidden(x, torch.ones_like(x), torch.arange(x.shape[1])[None])
+        fast = FastForward(model)
+        ff = fast.hidden(x, torch.ones_like(x), torch.arange(x.shape[1])[None])
+        fast._fused = lambda: None
+        aten = fast.hidden(x, torch.ones_like(x), torch.arange(x.shape[1])[None])
     print(f"max |engine - HF| log-prob (fast_forward={fast}): {max(diffs):.2e}")
     print(f"max |FastForward - HF| decoder output: {(ff - hf).abs().max():.2e}")
     print(f"max |engine - float64 head| log-prob (fast_forward={fast}): {max(exact):.2e}")
     assert max(diffs) <= LOGPROB_ATOL
     assert max(exact) <= EXACT_ATOL
-    torch.testing.assert_close(ff, hf, atol=1e-6, rtol=0)
+    torch.testing.assert_close(aten, hf, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ff, hf, atol=4e-6 * hf.abs().max().item(), rtol=0)
 
 
 def test_gradients_equal_hf_autograd(model_dir) -> None:

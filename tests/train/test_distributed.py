@@ -21,9 +21,10 @@ CONFIG = EngineConfig(max_tokens_per_microbatch=24)  # several microbatches per 
 ADAM = AdamParams(learning_rate=1e-4, grad_clip_norm=1.0)  # clip active (norms 10+); steps 100x tol
 
 
-def assert_close_dicts(a: dict, b: dict, tol: float = 1e-6) -> None:
+def assert_close_dicts(a: dict, b: dict, tol: float = 2e-6) -> None:
     """Per tensor: max |a - b| <= tol * max(1, max |a|): absolute for weights and log-probs,
-    relative for large sums (fp32 summation order differs between 1 and 2 ranks)."""
+    relative for large sums (fp32 summation order differs between 1 and 2 ranks: the norms'
+    weight gradients measured 9.9e-7 on ATen's ops, 1.4e-6 through the fused kernels)."""
     assert a.keys() == b.keys()
     for k in a:
         scale = max(1.0, float(a[k].abs().max()))

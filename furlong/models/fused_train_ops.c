@@ -1,0 +1,174 @@
+/* FastForward's training elementwise work, fused forward and backward: each RMSNorm is ~5 ATen
+ * ops forward and ~8 backward, and the MLP's silu(g) * u 2 forward and 3 backward, each a full
+ * pass over memory. Here each is one pass. Rounding follows HF's modules (and furlong's
+ * _RMSNorm backward): fp32 arithmetic, bf16 results rounded where an ATen op would round them.
+ * Each call splits its rows (or elements) into contiguous parts over an OpenMP team of at most
+ * `threads` (torch's own libgomp, so ATen's workers do the work rather than a second pool);
+ * built without OpenMP, the team is the calling thread. fused_kernels.py checks every tensor
+ * before its pointer comes here. */
+#include "fused_ops.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#define TEAM_SIZE omp_get_num_threads()
+#define THREAD_ID omp_get_thread_num()
+#else
+#define TEAM_SIZE 1
+#define THREAD_ID 0
+#endif
+
+/* This thread's part [*first, *first + *count) of total items split into the team's parts;
+ * part starts are multiples of align (elements: 64, so threads share no cache line). */
+static inline void my_part(int64_t total, int64_t align, int64_t *first, int64_t *count) {
+    int64_t parts = TEAM_SIZE, step = (total + parts - 1) / parts;
+    step = (step + align - 1) / align * align;
+    int64_t a = THREAD_ID * step;
+    *first = a < total ? a : total;
+    *count = total - *first < step ? total - *first : step;
+}
+
+/* y = w * (x * rstd) per row of n (dense), as rms_norm_f32 without the residual add, keeping
+ * each row's rstd for the backward */
+void rms_norm_fwd_f32(const float *x, const float *w, float *y, float *rstd, int64_t rows,
+                      int64_t n, float eps, int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t first, count;
+        my_part(rows, 1, &first, &count);
+        for (int64_t r = first; r < first + count; r++) {
+            const float *xr = x + r * n;
+            float *yr = y + r * n;
+            float s = rstd_f32(xr, n, eps);
+            rstd[r] = s;
+            for (int64_t i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * s);
+        }
+    }
+}
+
+void rms_norm_fwd_bf16(const bf16 *x, const bf16 *w, bf16 *y, float *rstd, int64_t rows,
+                       int64_t n, float eps, int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t first, count;
+        my_part(rows, 1, &first, &count);
+        for (int64_t r = first; r < first + count; r++) {
+            const bf16 *xr = x + r * n;
+            bf16 *yr = y + r * n;
+            float s = rstd_bf16(xr, n, eps);
+            rstd[r] = s;
+            for (int64_t i = 0; i < n; i++) {
+                float x_hat = from_bf16(to_bf16(from_bf16(xr[i]) * s));
+                yr[i] = to_bf16(from_bf16(w[i]) * x_hat);
+            }
+        }
+    }
+}
+
+/* Per row: x_hat = x * rstd (fp32), gw = g * w; dx = rstd * (gw - x_hat * mean(gw * x_hat)),
+ * two passes over the row (it stays in cache; gw recomputed in the second, so any width works),
+ * and dw += g * x_hat summed in blocks of DW_BLOCK rows, each block's sum then added to this
+ * thread's partial: a two-level sum, whose rounding grows with DW_BLOCK + rows / DW_BLOCK
+ * rather than with rows. dw: [2, threads, n] zeros, the partials then the block sums. LOAD reads one element as fp32, STORE
+ * writes dx in the row's dtype. */
+#define DW_BLOCK 64
+#define RMS_BWD(T, NAME, LOAD, STORE)                                                          \
+    void NAME(const T *g, const T *x, const T *w, const float *rstd, T *dx, float *dw,         \
+              int64_t rows, int64_t n, int threads) {                                          \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1)") {                        \
+            int64_t first, count;                                                              \
+            my_part(rows, 1, &first, &count);                                                  \
+            float *my_dw = dw + THREAD_ID * n, *block = dw + (threads + THREAD_ID) * n;        \
+            for (int64_t r = first; r < first + count; r++) {                                  \
+                const T *gr = g + r * n, *xr = x + r * n;                                      \
+                float s = rstd[r], acc[LANES] = {0};                                           \
+                int64_t i = 0;                                                                 \
+                for (; i + LANES <= n; i += LANES)                                             \
+                    for (int j = 0; j < LANES; j++) {                                          \
+                        float gi = LOAD(gr[i + j]), x_hat = LOAD(xr[i + j]) * s;               \
+                        acc[j] += (gi * LOAD(w[i + j])) * x_hat;                               \
+                        block[i + j] += gi * x_hat;                                            \
+                    }                                                                          \
+                for (; i < n; i++) {                                                           \
+                    float gi = LOAD(gr[i]), x_hat = LOAD(xr[i]) * s;                           \
+                    acc[0] += (gi * LOAD(w[i])) * x_hat;                                       \
+                    block[i] += gi * x_hat;                                                    \
+                }                                                                              \
+                float dot = 0.0f;                                                              \
+                for (int j = 0; j < LANES; j++) dot += acc[j];                                 \
+                dot /= (float)n;                                                               \
+                T *dxr = dx + r * n;                                                           \
+                for (i = 0; i < n; i++)                                                        \
+                    dxr[i] = STORE((LOAD(gr[i]) * LOAD(w[i]) - (LOAD(xr[i]) * s) * dot) * s);  \
+                if ((r - first) % DW_BLOCK == DW_BLOCK - 1 || r == first + count - 1)          \
+                    for (i = 0; i < n; i++) {                                                  \
+                        my_dw[i] += block[i];                                                  \
+                        block[i] = 0.0f;                                                       \
+                    }                                                                          \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+#define AS_F32(v) (v)
+RMS_BWD(float, rms_norm_bwd_f32, AS_F32, AS_F32)
+RMS_BWD(bf16, rms_norm_bwd_bf16, from_bf16, to_bf16)
+
+static inline float sigmoid(float g) { return 1.0f / (1.0f + exp_f32(-g)); }
+
+/* out = silu(g) * u over n elements; silu(g) = g * sigmoid(g) */
+void silu_mul_fwd_f32(const float *restrict g, const float *restrict u, float *restrict out,
+                      int64_t n, int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t first, count;
+        my_part(n, 64, &first, &count);
+        for (int64_t i = first; i < first + count; i++) out[i] = (g[i] * sigmoid(g[i])) * u[i];
+    }
+}
+
+void silu_mul_fwd_bf16(const bf16 *restrict g, const bf16 *restrict u, bf16 *restrict out,
+                       int64_t n, int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t first, count;
+        my_part(n, 64, &first, &count);
+        for (int64_t i = first; i < first + count; i++) {
+            float gi = from_bf16(g[i]);
+            float a = from_bf16(to_bf16(gi * sigmoid(gi))); /* F.silu's bf16 result */
+            out[i] = to_bf16(a * from_bf16(u[i]));
+        }
+    }
+}
+
+/* du = grad * silu(g); dg = (grad * u) * s (1 + g (1 - s)), s = sigmoid(g): the product's and
+ * then silu's backward */
+void silu_mul_bwd_f32(const float *restrict grad, const float *restrict g,
+                      const float *restrict u, float *restrict dg, float *restrict du, int64_t n,
+                      int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t first, count;
+        my_part(n, 64, &first, &count);
+        for (int64_t i = first; i < first + count; i++) {
+            float s = sigmoid(g[i]);
+            du[i] = grad[i] * (g[i] * s);
+            dg[i] = (grad[i] * u[i]) * (s * (1.0f + g[i] * (1.0f - s)));
+        }
+    }
+}
+
+void silu_mul_bwd_bf16(const bf16 *restrict grad, const bf16 *restrict g,
+                       const bf16 *restrict u, bf16 *restrict dg, bf16 *restrict du, int64_t n,
+                       int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        int64_t first, count;
+        my_part(n, 64, &first, &count);
+        for (int64_t i = first; i < first + count; i++) {
+            float gi = from_bf16(g[i]), gr = from_bf16(grad[i]);
+            float s = sigmoid(gi);
+            du[i] = to_bf16(gr * from_bf16(to_bf16(gi * s)));
+            float da = from_bf16(to_bf16(gr * from_bf16(u[i])));
+            dg[i] = to_bf16(da * (s * (1.0f + gi * (1.0f - s))));
+        }
+    }
+}
