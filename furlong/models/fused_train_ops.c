@@ -27,49 +27,34 @@ static inline void my_part(int64_t total, int64_t align, int64_t *first, int64_t
     *count = total - *first < step ? total - *first : step;
 }
 
+/* One kernel per macro, instantiated for fp32 and bf16 below: LOAD reads an element as fp32,
+ * STORE writes a result in the tensor's dtype, and ROUND rounds an intermediate where ATen's op
+ * would leave a bf16 result (the identity in fp32). */
+
 /* y = w * (x * rstd) per row of n (dense), as rms_norm_f32 without the residual add, keeping
  * each row's rstd for the backward */
-void rms_norm_fwd_f32(const float *x, const float *w, float *y, float *rstd, int64_t rows,
-                      int64_t n, float eps, int threads) {
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        int64_t first, count;
-        my_part(rows, 1, &first, &count);
-        for (int64_t r = first; r < first + count; r++) {
-            const float *xr = x + r * n;
-            float *yr = y + r * n;
-            float s = rstd_f32(xr, n, eps);
-            rstd[r] = s;
-            for (int64_t i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * s);
-        }
+#define RMS_FWD(T, NAME, LOAD, STORE, ROUND, RSTD)                                             \
+    void NAME(const T *x, const T *w, T *y, float *rstd, int64_t rows, int64_t n, float eps,   \
+              int threads) {                                                                   \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1)") {                        \
+            int64_t first, count;                                                              \
+            my_part(rows, 1, &first, &count);                                                  \
+            for (int64_t r = first; r < first + count; r++) {                                  \
+                const T *xr = x + r * n;                                                       \
+                T *yr = y + r * n;                                                             \
+                float s = RSTD(xr, n, eps);                                                    \
+                rstd[r] = s;                                                                   \
+                for (int64_t i = 0; i < n; i++)                                                \
+                    yr[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xr[i]) * s));                        \
+            }                                                                                  \
+        }                                                                                      \
     }
-}
-
-void rms_norm_fwd_bf16(const bf16 *x, const bf16 *w, bf16 *y, float *rstd, int64_t rows,
-                       int64_t n, float eps, int threads) {
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        int64_t first, count;
-        my_part(rows, 1, &first, &count);
-        for (int64_t r = first; r < first + count; r++) {
-            const bf16 *xr = x + r * n;
-            bf16 *yr = y + r * n;
-            float s = rstd_bf16(xr, n, eps);
-            rstd[r] = s;
-            for (int64_t i = 0; i < n; i++) {
-                float x_hat = from_bf16(to_bf16(from_bf16(xr[i]) * s));
-                yr[i] = to_bf16(from_bf16(w[i]) * x_hat);
-            }
-        }
-    }
-}
 
 /* Per row: x_hat = x * rstd (fp32), gw = g * w; dx = rstd * (gw - x_hat * mean(gw * x_hat)),
  * two passes over the row (it stays in cache; gw recomputed in the second, so any width works),
  * and dw += g * x_hat summed in blocks of DW_BLOCK rows, each block's sum then added to this
  * thread's partial: a two-level sum, whose rounding grows with DW_BLOCK + rows / DW_BLOCK
- * rather than with rows. dw: [2, threads, n] zeros, the partials then the block sums. LOAD reads one element as fp32, STORE
- * writes dx in the row's dtype. */
+ * rather than with rows. dw: [2, threads, n] zeros, the partials then the block sums. */
 #define DW_BLOCK 64
 #define RMS_BWD(T, NAME, LOAD, STORE)                                                          \
     void NAME(const T *g, const T *x, const T *w, const float *rstd, T *dx, float *dw,         \
@@ -108,67 +93,45 @@ void rms_norm_fwd_bf16(const bf16 *x, const bf16 *w, bf16 *y, float *rstd, int64
         }                                                                                      \
     }
 
-#define AS_F32(v) (v)
-RMS_BWD(float, rms_norm_bwd_f32, AS_F32, AS_F32)
-RMS_BWD(bf16, rms_norm_bwd_bf16, from_bf16, to_bf16)
-
 static inline float sigmoid(float g) { return 1.0f / (1.0f + exp_f32(-g)); }
 
 /* out = silu(g) * u over n elements; silu(g) = g * sigmoid(g) */
-void silu_mul_fwd_f32(const float *restrict g, const float *restrict u, float *restrict out,
-                      int64_t n, int threads) {
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        int64_t first, count;
-        my_part(n, 64, &first, &count);
-        for (int64_t i = first; i < first + count; i++) out[i] = (g[i] * sigmoid(g[i])) * u[i];
+#define SILU_MUL_FWD(T, NAME, LOAD, STORE, ROUND)                                              \
+    void NAME(const T *restrict g, const T *restrict u, T *restrict out, int64_t n,            \
+              int threads) {                                                                   \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1)") {                        \
+            int64_t first, count;                                                              \
+            my_part(n, 64, &first, &count);                                                    \
+            for (int64_t i = first; i < first + count; i++) {                                  \
+                float gi = LOAD(g[i]);                                                         \
+                out[i] = STORE(ROUND(gi * sigmoid(gi)) * LOAD(u[i])); /* F.silu, then mul */   \
+            }                                                                                  \
+        }                                                                                      \
     }
-}
-
-void silu_mul_fwd_bf16(const bf16 *restrict g, const bf16 *restrict u, bf16 *restrict out,
-                       int64_t n, int threads) {
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        int64_t first, count;
-        my_part(n, 64, &first, &count);
-        for (int64_t i = first; i < first + count; i++) {
-            float gi = from_bf16(g[i]);
-            float a = from_bf16(to_bf16(gi * sigmoid(gi))); /* F.silu's bf16 result */
-            out[i] = to_bf16(a * from_bf16(u[i]));
-        }
-    }
-}
 
 /* du = grad * silu(g); dg = (grad * u) * s (1 + g (1 - s)), s = sigmoid(g): the product's and
  * then silu's backward */
-void silu_mul_bwd_f32(const float *restrict grad, const float *restrict g,
-                      const float *restrict u, float *restrict dg, float *restrict du, int64_t n,
-                      int threads) {
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        int64_t first, count;
-        my_part(n, 64, &first, &count);
-        for (int64_t i = first; i < first + count; i++) {
-            float s = sigmoid(g[i]);
-            du[i] = grad[i] * (g[i] * s);
-            dg[i] = (grad[i] * u[i]) * (s * (1.0f + g[i] * (1.0f - s)));
-        }
+#define SILU_MUL_BWD(T, NAME, LOAD, STORE, ROUND)                                              \
+    void NAME(const T *restrict grad, const T *restrict g, const T *restrict u, T *restrict dg, \
+              T *restrict du, int64_t n, int threads) {                                        \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1)") {                        \
+            int64_t first, count;                                                              \
+            my_part(n, 64, &first, &count);                                                    \
+            for (int64_t i = first; i < first + count; i++) {                                  \
+                float gi = LOAD(g[i]), gr = LOAD(grad[i]), s = sigmoid(gi);                    \
+                du[i] = STORE(gr * ROUND(gi * s));                                             \
+                dg[i] = STORE(ROUND(gr * LOAD(u[i])) * (s * (1.0f + gi * (1.0f - s))));        \
+            }                                                                                  \
+        }                                                                                      \
     }
-}
 
-void silu_mul_bwd_bf16(const bf16 *restrict grad, const bf16 *restrict g,
-                       const bf16 *restrict u, bf16 *restrict dg, bf16 *restrict du, int64_t n,
-                       int threads) {
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    {
-        int64_t first, count;
-        my_part(n, 64, &first, &count);
-        for (int64_t i = first; i < first + count; i++) {
-            float gi = from_bf16(g[i]), gr = from_bf16(grad[i]);
-            float s = sigmoid(gi);
-            du[i] = to_bf16(gr * from_bf16(to_bf16(gi * s)));
-            float da = from_bf16(to_bf16(gr * from_bf16(u[i])));
-            dg[i] = to_bf16(da * (s * (1.0f + gi * (1.0f - s))));
-        }
-    }
-}
+#define AS_F32(v) (v)
+#define BF16_ROUND(v) from_bf16(to_bf16(v))
+RMS_FWD(float, rms_norm_fwd_f32, AS_F32, AS_F32, AS_F32, rstd_f32)
+RMS_FWD(bf16, rms_norm_fwd_bf16, from_bf16, to_bf16, BF16_ROUND, rstd_bf16)
+RMS_BWD(float, rms_norm_bwd_f32, AS_F32, AS_F32)
+RMS_BWD(bf16, rms_norm_bwd_bf16, from_bf16, to_bf16)
+SILU_MUL_FWD(float, silu_mul_fwd_f32, AS_F32, AS_F32, AS_F32)
+SILU_MUL_FWD(bf16, silu_mul_fwd_bf16, from_bf16, to_bf16, BF16_ROUND)
+SILU_MUL_BWD(float, silu_mul_bwd_f32, AS_F32, AS_F32, AS_F32)
+SILU_MUL_BWD(bf16, silu_mul_bwd_bf16, from_bf16, to_bf16, BF16_ROUND)
