@@ -24,13 +24,6 @@ pytestmark = pytest.mark.skipif(
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture
-def kernels() -> fk.FusedKernels:
-    k = fk.fused_kernels()
-    assert k is not None, "a C compiler is on PATH, so the kernels must build"
-    return k
-
-
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     """fp32: the float tolerance of a reordered sum; bf16: at most one bf16 rounding step
     (the fp32 statistics may round the other way at a tie of the bf16 grid)."""

@@ -2,12 +2,11 @@
 RMSNorm forward/backward and the MLP's ``silu(g) * u`` forward/backward, against hand-derived
 values and against autograd through HF's own modules, in fp32 and bf16, on one thread and on
 an OpenMP team; bad tensors are refused; FastForward's training pass through them matches its
-ATen pass in values and gradients."""
+ATen pass in values and gradients. (The ``kernels`` fixture is in this folder's conftest.)"""
 
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
@@ -18,17 +17,7 @@ from furlong.models import fused_kernels as fk
 from furlong.models import fused_training, load_model
 from furlong.models.fast_forward import FastForward
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
-)
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture
-def kernels() -> fk.FusedKernels:
-    k = fk.fused_kernels()
-    assert k is not None, "a C compiler is on PATH, so the kernels must build"
-    return k
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
