@@ -47,6 +47,7 @@ from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
 from furlong.models import fused_training
 from furlong.models.fused_kernels import MAX_HEAD_DIM, FusedKernels, fused_kernels
+from furlong.models.packed_weights import PackedWeights, Packs
 
 # causal LM class -> the (decoder layer, attention, MLP, RMSNorm) classes it must be built from
 _ARCH: dict[type, tuple[type, ...]] = {
@@ -212,6 +213,7 @@ class FastForward:
         self._sign = torch.cat((-torch.ones_like(inv_freq), torch.ones_like(inv_freq)))
         norm_cls = _ARCH[type(hf)][3]
         self._norms: list[HFModule] = [m for m in hf.model.modules() if type(m) is norm_cls]
+        self._packed = PackedWeights()
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -273,7 +275,8 @@ class FastForward:
             with torch.no_grad():
                 return self(input_ids, attention_mask, position_ids, cache, logits_to_keep)
         fused = self._fused()
-        h = self._layers(input_ids, attention_mask, position_ids, cache, fused, None)
+        packed = self._packed.current(self.model) if fused is not None else None
+        h = self._layers(input_ids, attention_mask, position_ids, cache, fused, None, packed)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         norm = self.model.model.norm
@@ -281,7 +284,7 @@ class FastForward:
             x = fused.rms_norm(h, norm.weight, norm.variance_epsilon)
         else:
             x = _rms(h, norm)
-        return _linear(x, self.model.lm_head)
+        return _linear(x, self.model.lm_head) if packed is None else packed.head(x)
 
     def hidden(
         self,
@@ -297,6 +300,12 @@ class FastForward:
         train = self._fused()
         h = self._layers(input_ids, attention_mask, position_ids, cache, None, train)
         return _rms(h, self.model.model.norm, train)
+
+    @property
+    def packed(self) -> PackedWeights:
+        """The bf16 inference weights packed for oneDNN (empty until a CPU bf16 pass runs;
+        :meth:`PackedWeights.clear` frees them)."""
+        return self._packed
 
     def _fused(self) -> FusedKernels | None:
         """The fused CPU kernels when they apply: a CPU model in fp32 or bf16 whose norms are
@@ -316,9 +325,11 @@ class FastForward:
         cache: Cache | None,
         fused: FusedKernels | None,
         train: FusedKernels | None,
+        packed: Packs | None = None,
     ) -> torch.Tensor:
         """The residual stream after the last layer; ``fused``: the inference kernels (in
-        place), ``train``: the training ones (out of place, with autograd nodes)."""
+        place), ``train``: the training ones (out of place, with autograd nodes); ``packed``:
+        the packed inference weights, in place of the modules' linears."""
         body = self.model.model
         batch, new = input_ids.shape
         heads, kv_heads, head_dim, scale = self.heads, self.kv_heads, self.head_dim, self.scaling
@@ -342,12 +353,17 @@ class FastForward:
             q_pos = torch.arange(total - new, total, device=h.device)
             mask = pad & (q_pos[:, None] >= torch.arange(total, device=h.device))
         delta = None  # the last layer's MLP output, not yet added to h
+        qkv_widths = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
         for i, layer in enumerate(body.layers):
             attn, mlp = layer.self_attn, layer.mlp
             h, x = _residual_norm(h, delta, layer.input_layernorm, fused, in_place, train)
-            q = _linear(x, attn.q_proj).view(batch, new, heads, head_dim)
-            k = _linear(x, attn.k_proj).view(batch, new, kv_heads, head_dim)
-            v = _linear(x, attn.v_proj).view(batch, new, kv_heads, head_dim)
+            if packed is not None:  # one GEMM; q, k and v are column slices of its output
+                q, k, v = packed.layers[i].qkv(x).split(qkv_widths, dim=-1)
+            else:
+                q, k, v = _linear(x, attn.q_proj), _linear(x, attn.k_proj), _linear(x, attn.v_proj)
+            q = q.view(batch, new, heads, head_dim)
+            k = k.view(batch, new, kv_heads, head_dim)
+            v = v.view(batch, new, kv_heads, head_dim)
             qk_norm = hasattr(attn, "q_norm")  # Qwen3: per-head RMSNorm before rotary
             if fused is not None:
                 norms = (attn.q_norm, attn.k_norm) if qk_norm else ()
@@ -374,16 +390,20 @@ class FastForward:
                 )
                 o = o.transpose(1, 2).reshape(batch * new, heads * head_dim)
             o = o.to(h.dtype)
-            delta = _linear(o, attn.o_proj)
+            delta = packed.layers[i].o(o) if packed is not None else _linear(o, attn.o_proj)
             h, x = _residual_norm(h, delta, layer.post_attention_layernorm, fused, in_place, train)
-            if train is not None:
+            if packed is not None:  # gate and up from one GEMM
+                g, u = packed.layers[i].gate_up(x).chunk(2, dim=-1)
+                delta = packed.layers[i].down(F.silu(g).mul_(u))
+            elif train is not None:
                 a = fused_training.silu_mul(
                     _linear(x, mlp.gate_proj), _linear(x, mlp.up_proj), train
                 )
+                delta = _linear(a, mlp.down_proj)
             else:
                 a = F.silu(_linear(x, mlp.gate_proj), inplace=in_place)
                 a = a.mul_(_linear(x, mlp.up_proj)) if in_place else a * _linear(x, mlp.up_proj)
-            delta = _linear(a, mlp.down_proj)
+                delta = _linear(a, mlp.down_proj)
         h = h if delta is None else _add(h, delta, in_place)
         return h.view(batch, new, -1)
 

@@ -125,7 +125,7 @@ class FusedKernels:
             rms.argtypes = [c_void_p, c_int64, c_void_p, c_int64, c_void_p, c_void_p]
             rms.argtypes += [c_int64, c_int64, c_float]
             rope = getattr(lib, f"qk_rope_{name}")
-            rope.argtypes = [c_void_p] * 6 + [c_int64] * 4 + [c_float, c_float]
+            rope.argtypes = [c_void_p] * 6 + [c_int64] * 6 + [c_float, c_float]
             rms.restype = rope.restype = None
             self._rms[dtype], self._rope[dtype] = rms, rope
         self._train: dict[tuple[str, torch.dtype], Any] = {}  # (kernel, dtype) -> C function
@@ -185,19 +185,24 @@ class FusedKernels:
         q_norm: tuple[torch.Tensor, float] | None = None,
         k_norm: tuple[torch.Tensor, float] | None = None,
     ) -> None:
-        """In place on ``q [..., heads, hd]`` and ``k [..., kv_heads, hd]`` (dense): the
-        optional per-head RMSNorms (weight, eps), then the rotary embedding with ``cos`` and
-        sign-folded ``sin`` (dense, one ``hd`` row per leading index of q and k)."""
+        """In place on ``q [..., heads, hd]`` and ``k [..., kv_heads, hd]``: the optional
+        per-head RMSNorms (weight, eps), then the rotary embedding with ``cos`` and sign-folded
+        ``sin`` (dense, one ``hd`` row per leading index of q and k). Each row's heads are
+        dense; rows may be strided (q and k as column slices of one q/k/v GEMM's output)."""
         *_, q_heads, hd = q.shape
         *_, k_heads, k_hd = k.shape
-        rows = q.numel() // (q_heads * hd)
+        rows = q.numel() // max(q_heads * hd, 1)
         _same(q, k)
         _same(q, cos)
         _same(q, sin)
-        ok = q.is_contiguous() and k.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+        q_ld, k_ld = _row_stride(q) or 0, _row_stride(k) or 0
+        ok = q_ld >= q_heads * hd and k_ld >= k_heads * hd  # rows never overlap
+        ok = ok and cos.is_contiguous() and sin.is_contiguous()
         ok = ok and k_hd == hd and hd % 2 == 0 and hd <= MAX_HEAD_DIM
         ok = ok and k.numel() == rows * k_heads * hd and cos.numel() == sin.numel() == rows * hd
-        _check(ok, "dense q [rows, heads, hd], k [rows, kv_heads, hd], cos/sin [rows, hd]", q)
+        _check(
+            ok, "q [rows, heads, hd], k [rows, kv_heads, hd] (dense heads), cos/sin [rows, hd]", q
+        )
         if (q_norm is None) != (k_norm is None):
             raise ValueError("fused kernel: q_norm and k_norm come together")
         q_w, q_eps = q_norm or (None, 0.0)
@@ -218,6 +223,8 @@ class FusedKernels:
             q_heads,
             k_heads,
             hd,
+            q_ld,
+            k_ld,
             q_eps,
             k_eps,
         )
@@ -314,6 +321,21 @@ def _norm_rows(x: torch.Tensor, weight: torch.Tensor) -> int:
 def _elementwise(a: torch.Tensor, b: torch.Tensor) -> None:
     _same(a, b)
     _check(a.shape == b.shape and a.is_contiguous() and b.is_contiguous(), "dense, alike", b)
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """The element step between rows of ``t [..., heads, hd]`` whose heads are dense and whose
+    leading dims flatten into evenly spaced rows; None otherwise."""
+    if t.dim() < 2 or t.stride(-1) != 1 or (t.shape[-2] > 1 and t.stride(-2) != t.shape[-1]):
+        return None
+    lead = [(n, st) for n, st in zip(t.shape[:-2], t.stride()[:-2], strict=True) if n > 1]
+    ld = lead[-1][1] if lead else t.shape[-2] * t.shape[-1]
+    step = ld
+    for n, st in reversed(lead):  # each leading dim spans the ones after it
+        if st != step:
+            return None
+        step *= n
+    return ld
 
 
 def _check(ok: bool, what: str, t: torch.Tensor) -> None:

@@ -75,27 +75,28 @@ static void head_bf16(bf16 *x, const bf16 *w, const bf16 *cs, const bf16 *sn, in
         x[i] = to_bf16(mul_bf16(tmp[i], from_bf16(cs[i])) + mul_bf16(tmp[i - half], from_bf16(sn[i])));
 }
 
-/* q [rows, q_heads, hd] and k [rows, k_heads, hd], each dense, in place: every head through
- * head_*() with row r's cos/sin (dense [rows, hd]); q_w and k_w are NULL when the model has no
- * per-head norm. hd is even and at most 1024. */
+/* q [rows, q_heads, hd] and k [rows, k_heads, hd], in place: every head through head_*() with
+ * row r's cos/sin (dense [rows, hd]); q_w and k_w are NULL when the model has no per-head norm.
+ * Each row's heads are dense; rows are q_ld and k_ld elements apart (q and k may be column
+ * slices of one q/k/v GEMM output). hd is even and at most 1024. */
 void qk_rope_f32(float *q, float *k, const float *q_w, const float *k_w, const float *cs,
                  const float *sn, int64_t rows, int64_t q_heads, int64_t k_heads, int64_t hd,
-                 float q_eps, float k_eps) {
+                 int64_t q_ld, int64_t k_ld, float q_eps, float k_eps) {
     float tmp[1024];
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cs + r * hd, *s = sn + r * hd;
-        for (int64_t h = 0; h < q_heads; h++) head_f32(q + (r * q_heads + h) * hd, q_w, c, s, hd, q_eps, tmp);
-        for (int64_t h = 0; h < k_heads; h++) head_f32(k + (r * k_heads + h) * hd, k_w, c, s, hd, k_eps, tmp);
+        for (int64_t h = 0; h < q_heads; h++) head_f32(q + r * q_ld + h * hd, q_w, c, s, hd, q_eps, tmp);
+        for (int64_t h = 0; h < k_heads; h++) head_f32(k + r * k_ld + h * hd, k_w, c, s, hd, k_eps, tmp);
     }
 }
 
 void qk_rope_bf16(bf16 *q, bf16 *k, const bf16 *q_w, const bf16 *k_w, const bf16 *cs,
                   const bf16 *sn, int64_t rows, int64_t q_heads, int64_t k_heads, int64_t hd,
-                  float q_eps, float k_eps) {
+                  int64_t q_ld, int64_t k_ld, float q_eps, float k_eps) {
     float tmp[1024];
     for (int64_t r = 0; r < rows; r++) {
         const bf16 *c = cs + r * hd, *s = sn + r * hd;
-        for (int64_t h = 0; h < q_heads; h++) head_bf16(q + (r * q_heads + h) * hd, q_w, c, s, hd, q_eps, tmp);
-        for (int64_t h = 0; h < k_heads; h++) head_bf16(k + (r * k_heads + h) * hd, k_w, c, s, hd, k_eps, tmp);
+        for (int64_t h = 0; h < q_heads; h++) head_bf16(q + r * q_ld + h * hd, q_w, c, s, hd, q_eps, tmp);
+        for (int64_t h = 0; h < k_heads; h++) head_bf16(k + r * k_ld + h * hd, k_w, c, s, hd, k_eps, tmp);
     }
 }

@@ -204,7 +204,9 @@ class ModelRunner:
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         if "weights" in self.offloaded:
             return self._host_weights
-        return {name: p.data for name, p in self.model.named_parameters()}
+        # detach(), not .data: it shares the parameter's version counter, so the copy bumps it
+        # and FastForward's packed inference weights see the change
+        return {name: p.detach() for name, p in self.model.named_parameters()}
 
     # ---------------------------------------------------------------- memory
 
@@ -218,6 +220,8 @@ class ModelRunner:
                 for name, p in self.model.named_parameters():
                     self._host_weights[name] = p.data.to("cpu")
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                if self.fast is not None:  # rebuilt from the weights at the next pass
+                    self.fast.packed.clear()
             self.offloaded.update(tags)
         _release_device_cache(self.device)
 
@@ -232,11 +236,12 @@ class ModelRunner:
             self.offloaded.difference_update(tags)
 
     def memory_bytes(self, cache: Any) -> MemoryBytes:
-        """What the weights, ``cache`` (the batch's, None when empty) and the host copy of
-        offloaded weights hold."""
+        """What the weights (with FastForward's packed copy), ``cache`` (the batch's, None
+        when empty) and the host copy of offloaded weights hold."""
         live = cache is not None and "kv_cache" not in self.offloaded
+        packed = 0 if self.fast is None else self.fast.packed.nbytes
         return {
-            "weights": sum(p.data.nbytes for p in self.model.parameters()),
+            "weights": sum(p.data.nbytes for p in self.model.parameters()) + packed,
             "kv_cache": kv_cache.nbytes(cache) if live else 0,
             "mirror": sum(t.nbytes for t in self._host_weights.values()),
         }

@@ -111,6 +111,26 @@ def test_qk_rope_equals_hf(kernels, dtype, with_norm) -> None:
     _close(k, want_k.transpose(1, 2))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_rope_on_column_slices_of_one_qkv_output(kernels, dtype) -> None:
+    # q and k as column slices of one [rows, (heads + 2 kv_heads) * hd] GEMM output (strided
+    # rows): the same values as on dense copies, and v's columns untouched
+    torch.manual_seed(2)
+    rows, heads, kv_heads, hd = 5, 4, 2, 16
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * hd).to(dtype)
+    q, k, v = qkv.split((heads * hd, kv_heads * hd, kv_heads * hd), dim=-1)
+    q, k = q.view(rows, 1, heads, hd), k.view(rows, 1, kv_heads, hd)
+    dense_q, dense_k, q_before, v_before = q.clone(), k.clone(), q.clone(), v.clone()
+    assert not q.is_contiguous() and not k.is_contiguous()
+    cos, _, folded = _angles(rows, hd, dtype)
+    norms = [((torch.rand(hd) + 0.5).to(dtype), eps) for eps in (1e-6, 1e-5)]
+    kernels.qk_rope(q, k, cos, folded, *norms)
+    kernels.qk_rope(dense_q, dense_k, cos, folded, *norms)
+    assert dense_q.is_contiguous() and not torch.equal(q, q_before)  # rotated in place
+    assert torch.equal(q, dense_q) and torch.equal(k, dense_k)
+    assert torch.equal(v, v_before)
+
+
 def test_bad_tensors_are_refused_before_any_write(kernels) -> None:
     q, k = torch.randn(3, 1, 4, 8), torch.randn(3, 1, 2, 8)
     cos, _, sin = _angles(3, 8, torch.float32)
@@ -121,6 +141,8 @@ def test_bad_tensors_are_refused_before_any_write(kernels) -> None:
         ((q.transpose(0, 2), k, cos, sin), "dense"),
         ((q, k[:2], cos, sin), "dense"),
         ((q, k, cos[:, :4], sin), "dense"),
+        ((q[:1].expand(3, 1, 4, 8), k, cos, sin), "dense"),  # rows overlap: stride 0
+        ((q, torch.randn(3, 1, 8, 2).transpose(-1, -2), cos, sin), "dense"),  # heads strided
     ]
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
