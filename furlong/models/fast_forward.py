@@ -29,7 +29,11 @@ peft runs them (``runs_as_linear``; a training pass folds the adapter's scale an
 ``addmm``). A training pass over right-padded rows uses SDPA's own causal mask. Weights are
 read from the modules at every call, so in-place updates and ``p.data`` swaps are seen; hooks
 registered after construction are not run (ask :meth:`supports` again when modules may have
-changed).
+changed). One exception: a bf16 model on a CPU with native bf16 runs inference over packed
+copies of its linears (:mod:`furlong.models.packed_weights`: q/k/v and gate/up as one GEMM
+each, bit for bit), rebuilt when a weight's data pointer or version counter moves; an in-place
+write through ``p.data`` bypasses the counter, so write through ``p.detach()`` or under
+``no_grad`` instead.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from furlong import host_memory
 from furlong.errors import InputError
 from furlong.precision import resolve_dtype
 from furlong.server import proto
@@ -42,6 +43,9 @@ __all__ = ["Service", "ServiceConfig", "fingerprint"]  # ServiceConfig: config.p
 class Service:
     def __init__(self, config: ServiceConfig):
         self.config = config
+        # before the compute lane's thread starts: every step's activations reuse the last
+        # step's heap pages instead of page-faulting fresh ones (furlong.host_memory)
+        host_memory.keep_freed_blocks()
         state = StateDir(config.state_dir, clock=config.clock)
         self.pool = ModelPool(
             config.base_models,
