@@ -177,6 +177,16 @@ def _add(h: torch.Tensor, x: torch.Tensor, in_place: bool) -> torch.Tensor:
     return h.add_(x) if in_place else h + x
 
 
+def _gated(
+    x: torch.Tensor, mlp: HFModule, in_place: bool, train: FusedKernels | None
+) -> torch.Tensor:
+    """The MLP's ``silu(gate(x)) * up(x)``, HF's op order."""
+    if train is not None:
+        return fused_training.silu_mul(_linear(x, mlp.gate_proj), _linear(x, mlp.up_proj), train)
+    a = F.silu(_linear(x, mlp.gate_proj), inplace=in_place)
+    return a.mul_(_linear(x, mlp.up_proj)) if in_place else a * _linear(x, mlp.up_proj)
+
+
 def _residual_norm(
     h: torch.Tensor,
     delta: torch.Tensor | None,
@@ -399,15 +409,8 @@ class FastForward:
             if packed is not None:  # gate and up from one GEMM
                 g, u = packed.layers[i].gate_up(x).chunk(2, dim=-1)
                 delta = packed.layers[i].down(F.silu(g).mul_(u))
-            elif train is not None:
-                a = fused_training.silu_mul(
-                    _linear(x, mlp.gate_proj), _linear(x, mlp.up_proj), train
-                )
-                delta = _linear(a, mlp.down_proj)
             else:
-                a = F.silu(_linear(x, mlp.gate_proj), inplace=in_place)
-                a = a.mul_(_linear(x, mlp.up_proj)) if in_place else a * _linear(x, mlp.up_proj)
-                delta = _linear(a, mlp.down_proj)
+                delta = _linear(_gated(x, mlp, in_place, train), mlp.down_proj)
         h = h if delta is None else _add(h, delta, in_place)
         return h.view(batch, new, -1)
 

@@ -27,23 +27,38 @@ ROWS_HINT = 128
 
 
 def can_pack(model: Any) -> bool:
-    """Whether ``model``'s linears pack: bf16 on a CPU with native bf16 matmuls and oneDNN,
-    every layer's q/k/v/o/gate/up/down and the head plain ``nn.Linear``."""
-    weight = model.lm_head.weight
-    if weight.dtype != torch.bfloat16 or not weight.is_cpu or not fast_bf16():
+    """Whether ``model``'s linears pack: on a CPU with native bf16 matmuls and oneDNN, every
+    layer's q/k/v/o/gate/up/down and the head a plain bf16 ``nn.Linear``, the linears that
+    share a GEMM all with a bias or all without."""
+    if not fast_bf16() or not torch.backends.mkldnn.is_available():
         return False
-    if not torch.backends.mkldnn.is_available():
+    linears = _sources(model)
+    if not all(type(m) is nn.Linear for m in linears):
         return False
-    return all(type(m) is nn.Linear for m in _sources(model))
-
-
-def _sources(model: Any) -> list[nn.Linear]:
-    out = []
+    if any(m.weight.dtype != torch.bfloat16 or not m.weight.is_cpu for m in linears):
+        return False
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        out += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
-        out += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    return out + [model.lm_head]
+        for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            if len({m.bias is None for m in group}) > 1:
+                return False
+    return True
+
+
+def _sources(model: Any) -> list[nn.Module]:
+    """The linears that pack, in order (through ``_modules``: this runs at every pass, and
+    ``nn.Module.__getattr__`` would cost ~1 ms a pass on a 30-layer model)."""
+    out = []
+    for layer in model._modules["model"]._modules["layers"]:
+        attn, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
+        out += [attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"]]
+        out += [mlp["gate_proj"], mlp["up_proj"], mlp["down_proj"]]
+    return out + [model._modules["lm_head"]]
+
+
+def _tensors(linears: Sequence[nn.Module]) -> list[torch.Tensor]:
+    params = [m._parameters for m in linears]
+    return [t for p in params for t in (p["weight"], p.get("bias")) if t is not None]
 
 
 class PackedLinear:
@@ -53,7 +68,6 @@ class PackedLinear:
         weight = torch.cat([m.weight.detach() for m in linears])
         biases = [m.bias for m in linears]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        self.out_features = weight.shape[0]
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,33 +98,40 @@ class PackedWeights:
 
     def __init__(self) -> None:
         self.packs: Packs | None = None  # the last built
-        # the sources as packed (detached views: the same storage and version counter); held,
-        # so a freed weight's address cannot come back as a new weight's and look unchanged
-        self._sources: list[tuple[torch.Tensor, int]] = []
+        self._linears: list[nn.Module] = []  # the modules packed
+        # their tensors as packed (detached views: the same storage and version counter);
+        # held, so a freed weight's address cannot come back as a new weight's and look the same
+        self._sources: list[tuple[torch.Tensor, torch.Tensor, int]] = []
 
     def current(self, model: Any) -> Packs | None:
         """The packs of ``model``'s current weights; None where they do not pack."""
+        linears = _sources(model)
+        if self.packs is not None and self._unchanged(linears):
+            return self.packs
+        self.clear()
         if not can_pack(model):
-            self.clear()
             return None
-        tensors = [t for m in _sources(model) for t in (m.weight, m.bias) if t is not None]
-        if (
-            self.packs is None
-            or len(tensors) != len(self._sources)
-            or any(
-                t.data_ptr() != s.data_ptr() or t._version != version
-                for t, (s, version) in zip(tensors, self._sources, strict=True)
-            )
-        ):
-            self.clear()
-            layers = [PackedLayer(layer) for layer in model.model.layers]
-            self.packs = Packs(layers, PackedLinear([model.lm_head]))
-            self._sources = [(t.detach(), t._version) for t in tensors]
+        layers = [PackedLayer(layer) for layer in model.model.layers]
+        self.packs = Packs(layers, PackedLinear([model.lm_head]))
+        self._linears = linears
+        self._sources = [(t, t.detach(), t._version) for t in _tensors(linears)]
         return self.packs
+
+    def _unchanged(self, linears: list[nn.Module]) -> bool:
+        """The same modules with the same tensors, none written since they were packed."""
+        if len(linears) != len(self._linears) or any(
+            a is not b for a, b in zip(linears, self._linears, strict=True)
+        ):
+            return False
+        tensors = _tensors(linears)
+        return len(tensors) == len(self._sources) and all(
+            t is p and t.data_ptr() == view.data_ptr() and t._version == version
+            for t, (p, view, version) in zip(tensors, self._sources, strict=True)
+        )
 
     def clear(self) -> None:
         """Drop the packs (a weights offload frees their memory too)."""
-        self.packs, self._sources = None, []
+        self.packs, self._linears, self._sources = None, [], []
 
     @property
     def nbytes(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 from furlong.models import load_model
 from furlong.models import packed_weights as pw
@@ -43,16 +44,32 @@ def _passes(fast: FastForward, steps: int = 4, seed: int = 0) -> list[torch.Tens
     return out
 
 
+def _model(name: str) -> torch.nn.Module:
+    if name == "qwen2":  # q/k/v with biases
+        config = Qwen2Config(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            vocab_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config)
+    return load_model(name)[0]
+
+
 @native_bf16
-@pytest.mark.parametrize("name", ["tiny-qwen3", "small-llama"])
+@pytest.mark.parametrize("name", ["tiny-qwen3", "small-llama", "qwen2"])
 def test_packed_passes_equal_separate_linears_bit_for_bit(name, monkeypatch) -> None:
-    model, _ = load_model(name)
-    model = model.to(torch.bfloat16)
+    model = _model(name).to(torch.bfloat16)
     fast = FastForward(model)
     assert fast.packed.current(model) is not None  # this model packs here
     with torch.inference_mode():
         packed = _passes(fast)
         monkeypatch.setattr(pw, "can_pack", lambda m: False)
+        fast.packed.clear()
         separate = _passes(fast)
     for got, want in zip(packed, separate, strict=True):
         assert got.dtype == torch.bfloat16
@@ -109,9 +126,26 @@ def test_packs_follow_weight_changes(change, monkeypatch) -> None:
     after = _last(fast)
     assert fast.packed.packs is not None and fast.packed.packs is not built  # rebuilt
     monkeypatch.setattr(pw, "can_pack", lambda m: False)
+    fast.packed.clear()
     want = _last(fast)  # the separate linears, reading the modules' weights
     assert (after - before).abs().max() > 1e-2  # the change reaches the logits
     torch.testing.assert_close(after, want, atol=1e-5, rtol=0)
+
+
+def test_a_lora_layer_added_later_drops_the_packs(monkeypatch) -> None:
+    _packs_fp32(monkeypatch)
+    model, _ = load_model("tiny-qwen3")
+    fast = FastForward(model)
+    before = _last(fast)
+    assert fast.packed.packs is not None
+    from peft import LoraConfig, get_peft_model
+
+    # random A and B, so the adapter changes the logits (peft's default B is zero)
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    after = _last(fast)  # the same FastForward: its model's q_proj layers are LoRA layers now
+    assert fast.packed.packs is None
+    assert (after - before).abs().max() > 1e-3
+    torch.testing.assert_close(after, _last(FastForward(model)), atol=0, rtol=0)
 
 
 def test_unchanged_weights_keep_their_packs(monkeypatch) -> None:
@@ -135,6 +169,13 @@ def test_what_does_not_pack(monkeypatch) -> None:
     assert pw.can_pack(bf16)
     from peft import LoraConfig, get_peft_model
 
+    layer = bf16.model.layers[0].self_attn  # q alone with a bias: q/k/v cannot share a GEMM
+    layer.q_proj.bias = torch.nn.Parameter(
+        torch.zeros(layer.q_proj.out_features, dtype=torch.bfloat16)
+    )
+    assert not pw.can_pack(bf16)
+    layer.q_proj.bias = None
+    assert pw.can_pack(bf16)
     lora = get_peft_model(bf16, LoraConfig(r=4, target_modules=["q_proj"]))
     assert not pw.can_pack(lora.base_model.model)  # a LoRA layer runs unmerged, as before
     assert FastForward(lora.base_model.model).packed.current(lora.base_model.model) is None
