@@ -30,6 +30,9 @@ def can_pack(model: Any) -> bool:
     """Whether ``model``'s linears pack: on a CPU with native bf16 matmuls and oneDNN, every
     layer's q/k/v/o/gate/up/down and the head a plain bf16 ``nn.Linear``, the linears that
     share a GEMM all with a bias or all without."""
+    head = model._modules["lm_head"]  # first, in two lookups: it rules out fp32 and LoRA heads
+    if type(head) is not nn.Linear or head.weight.dtype != torch.bfloat16:
+        return False
     if not fast_bf16() or not torch.backends.mkldnn.is_available():
         return False
     linears = _sources(model)
@@ -105,12 +108,12 @@ class PackedWeights:
 
     def current(self, model: Any) -> Packs | None:
         """The packs of ``model``'s current weights; None where they do not pack."""
-        linears = _sources(model)
-        if self.packs is not None and self._unchanged(linears):
+        if self.packs is not None and self._unchanged(_sources(model)):
             return self.packs
         self.clear()
-        if not can_pack(model):
+        if not can_pack(model):  # what runs at every pass of a model that does not pack
             return None
+        linears = _sources(model)
         layers = [PackedLayer(layer) for layer in model.model.layers]
         self.packs = Packs(layers, PackedLinear([model.lm_head]))
         self._linears = linears

@@ -16,6 +16,7 @@ from furlong.models.fast_forward import FastForward
 from furlong.precision import fast_bf16
 from furlong.rollout import kv_cache
 from furlong.rollout.model_runner import ModelRunner
+from tests.models.test_fast_forward import GQA, SMALL
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,17 +47,8 @@ def _passes(fast: FastForward, steps: int = 4, seed: int = 0) -> list[torch.Tens
 
 def _model(name: str) -> torch.nn.Module:
     if name == "qwen2":  # q/k/v with biases
-        config = Qwen2Config(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            vocab_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-        )
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(Qwen2Config(**SMALL, **GQA))
     return load_model(name)[0]
 
 
