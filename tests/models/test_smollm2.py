@@ -97,10 +97,10 @@ def test_engine_logprobs_equal_an_hf_forward(shared, fast: bool) -> None:
         # 5.5e-5 measured, 1.6e-6 of the largest |h|, 34)
         x = torch.tensor(batch[:1])
         hf = model.model(x).last_hidden_state
-        fast = FastForward(model)
-        ff = fast.hidden(x, torch.ones_like(x), torch.arange(x.shape[1])[None])
-        fast._fused = lambda: None
-        aten = fast.hidden(x, torch.ones_like(x), torch.arange(x.shape[1])[None])
+        trunk = FastForward(model)
+        ff = trunk.hidden(x, torch.ones_like(x), torch.arange(x.shape[1])[None])
+        trunk._fused = lambda: None
+        aten = trunk.hidden(x, torch.ones_like(x), torch.arange(x.shape[1])[None])
     print(f"max |engine - HF| log-prob (fast_forward={fast}): {max(diffs):.2e}")
     print(f"max |FastForward - HF| decoder output: {(ff - hf).abs().max():.2e}")
     print(f"max |engine - float64 head| log-prob (fast_forward={fast}): {max(exact):.2e}")
