@@ -227,7 +227,8 @@ class FastForward:
         self._sign = torch.cat((-torch.ones_like(inv_freq), torch.ones_like(inv_freq)))
         norm_cls = _ARCH[type(hf)][3]
         self._norms: list[HFModule] = [m for m in hf.model.modules() if type(m) is norm_cls]
-        self._packed = PackedWeights()
+        # the bf16 inference weights packed for oneDNN (empty until a CPU bf16 pass runs)
+        self.packed = PackedWeights()
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -289,7 +290,7 @@ class FastForward:
             with torch.no_grad():
                 return self(input_ids, attention_mask, position_ids, cache, logits_to_keep)
         fused = self._fused()
-        packed = self._packed.current(self.model) if fused is not None else None
+        packed = self.packed.current(self.model) if fused is not None else None
         h = self._layers(input_ids, attention_mask, position_ids, cache, fused, None, packed)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
@@ -314,12 +315,6 @@ class FastForward:
         train = self._fused()
         h = self._layers(input_ids, attention_mask, position_ids, cache, None, train)
         return _rms(h, self.model.model.norm, train)
-
-    @property
-    def packed(self) -> PackedWeights:
-        """The bf16 inference weights packed for oneDNN (empty until a CPU bf16 pass runs;
-        :meth:`PackedWeights.clear` frees them)."""
-        return self._packed
 
     def _fused(self) -> FusedKernels | None:
         """The fused CPU kernels when they apply: a CPU model in fp32 or bf16 whose norms are
