@@ -7,34 +7,33 @@ model's parameters with ``torch.nn.functional``.
 
 Two modes. Inference (``__call__``, under ``no_grad``, the rollout engine's prefill and decode
 steps): in-place residual adds, and on CPU in fp32/bf16 the fused kernels of
-:mod:`furlong.models.fused_kernels` (each residual add with the RMSNorm after it; Qwen3's q/k
-norms with the rotary embedding), which round where HF's modules round but sum in another
-order: logits within float tolerance of the HF forward's (1e-5 on the tiny models in fp32),
-not bit for bit; without the kernels, ATen's ops as below. A bf16/fp16 CPU model's cache
-holds fp32 keys and values (the low-precision values upcast exactly) and attends in fp32.
-Training and scoring (:meth:`hidden`, with or without grad): every op out of place under
-grad; on CPU in fp32/bf16 each RMSNorm and the MLP's ``silu(g) * u`` run as fused kernels with
-their own backward (:mod:`furlong.models.fused_training`: one pass over memory each way where
-ATen takes 2-8; HF's roundings, another summation order, so within float tolerance of HF's
-pass: 1.6e-6 of the largest hidden value on SmolLM2's 30 layers in fp32). Without the kernels,
-ATen's ops in HF's order (bit for bit on CPU in fp32 and bf16 when tested; SDPA kernels may
-differ elsewhere), RMSNorm as one autograd node (:class:`_RMSNorm`) whose backward takes four
-passes over the activations where autograd's chain over HF's five forward ops takes about
-twice as many; its forward is HF's, op for op.
+:mod:`furlong.models.fused_kernels` (each residual add with the RMSNorm after it; Qwen3's q/k norms
+with the rotary embedding), which round where HF's modules round but sum in another order: logits
+within float tolerance of the HF forward's (1e-5 on the tiny models in fp32), not bit for bit;
+without the kernels, ATen's ops as below. A bf16/fp16 CPU model's cache holds fp32 keys and values
+(the low-precision values upcast exactly) and attends in fp32. Training and scoring (:meth:`hidden`,
+with or without grad): every op out of place under grad; on CPU in fp32/bf16 each RMSNorm, the
+rotary embedding (bit for bit) and the MLP's ``silu(g) * u`` run as fused kernels with their own
+backward (:mod:`furlong.models.fused_training`: one pass over memory each way where ATen takes 2-8;
+HF's roundings, another summation order, so within float tolerance of HF's pass: 1.6e-6 of the
+largest hidden value on SmolLM2's 30 layers in fp32). Without the kernels, ATen's ops in HF's order
+(bit for bit on CPU in fp32 and bf16 when tested; SDPA kernels may differ elsewhere), RMSNorm as one
+autograd node (:class:`_RMSNorm`) whose backward takes four passes over the activations where
+autograd's chain over HF's five forward ops takes about twice as many; its forward is HF's, op for
+op.
 
 Limits: no dropout; only the exact module classes in ``_ARCH``, with SiLU, default RoPE and full
-attention on every layer (:meth:`supports` says no otherwise, e.g. MoE, sliding windows,
-scaled RoPE, hooked modules, attention dropout); vanilla peft LoRA layers run unmerged, as
-peft runs them (``runs_as_linear``; a training pass folds the adapter's scale and add into one
-``addmm``). A training pass over right-padded rows uses SDPA's own causal mask. Weights are
-read from the modules at every call, so in-place updates and ``p.data`` swaps are seen; hooks
-registered after construction are not run (ask :meth:`supports` again when modules may have
-changed). One exception: a bf16 model on a CPU with native bf16 runs inference over packed
-copies of its linears (:mod:`furlong.models.packed_weights`: q/k/v and gate/up as one GEMM
-each, bit for bit), rebuilt when a weight's data pointer or version counter moves; an in-place
-write through ``p.data`` bypasses the counter, so write through ``p.detach()`` or under
-``no_grad`` instead.
-"""
+attention on every layer (:meth:`supports` says no otherwise, e.g. MoE, sliding windows, scaled
+RoPE, hooked modules, attention dropout); vanilla peft LoRA layers run unmerged, as peft runs them
+(``runs_as_linear``; a training pass over a frozen base in the adapter's dtype uses the merged
+weight, :mod:`furlong.models.lora_training`, else folds the adapter's scale and add into one
+``addmm``). A training pass over right-padded rows uses SDPA's own causal mask. Weights are read
+from the modules at every call, so in-place updates and ``p.data`` swaps are seen; hooks registered
+after construction are not run (ask :meth:`supports` again when modules may have changed). One
+exception: a bf16 model on a CPU with native bf16 runs inference over packed copies of its linears
+(:mod:`furlong.models.packed_weights`: q/k/v and gate/up as one GEMM each, bit for bit), rebuilt
+when a weight's data pointer or version counter moves; an in-place write through ``p.data`` bypasses
+the counter, so write through ``p.detach()`` or under ``no_grad`` instead."""
 
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ from transformers.models.llama import modeling_llama as llama
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
-from furlong.models import fused_training
+from furlong.models import fused_training, lora_training
 from furlong.models.fused_kernels import MAX_HEAD_DIM, FusedKernels, fused_kernels
 from furlong.models.packed_weights import PackedWeights, Packs
 
@@ -106,9 +105,16 @@ def _linear(x: torch.Tensor, m: HFModule) -> torch.Tensor:
     # a vanilla peft LoRA layer (``runs_as_linear`` checked it): peft's ``base + B(A(x)) * scaling``
     # with the adapter in its own dtype (peft keeps a bf16 base's adapters in fp32: the input is
     # cast up, the sum is in fp32, and the result goes back to the base's dtype)
-    out = F.linear(x, m.base_layer.weight, m.base_layer.bias)
+    base, terms = m.base_layer, lora_terms(m)
+    if (
+        torch.is_grad_enabled()
+        and len(terms) == 1
+        and lora_training.applies(base.weight, base.bias, *terms[0][:2])
+    ):  # training one adapter over a frozen base: one GEMM each way (lora_training)
+        return lora_training.merged_lora_linear(x, base.weight, base.bias, *terms[0])
+    out = F.linear(x, base.weight, base.bias)
     dtype = out.dtype
-    for lora_a, lora_b, scaling in lora_terms(m):
+    for lora_a, lora_b, scaling in terms:
         xa = F.linear(x.to(lora_a.dtype), lora_a)
         if torch.is_grad_enabled():  # training: the scale and the add ride on B's GEMM,
             # in place (no copy of the base's output): no backward reads a linear's output
@@ -380,7 +386,13 @@ class FastForward:
             else:
                 if qk_norm:
                     q, k = _rms(q, attn.q_norm, train), _rms(k, attn.k_norm, train)
-                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                if train is not None:
+                    q, k = (
+                        fused_training.rope(q, cos, sin, train),
+                        fused_training.rope(k, cos, sin, train),
+                    )
+                else:
+                    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             k, v = k.transpose(1, 2).to(attn_dtype), v.transpose(1, 2).to(attn_dtype)
             q = q.to(attn_dtype)
             if cache is not None:

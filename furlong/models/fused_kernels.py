@@ -5,7 +5,8 @@ per-op overhead than in its elementwise arithmetic: ``torch.rms_norm`` is ~8 ops
 per-head q/k norms and the two rotary embeddings are ~25 more per layer. Each group is one pass
 here: the residual add with the RMSNorm after it, and the q/k norms with the rotary embedding
 (in place). Training (``fused_train_ops.c``): an RMSNorm forward that keeps each row's rstd and
-its backward, and the MLP's ``silu(g) * u`` forward and backward, each one pass over memory
+its backward, the MLP's ``silu(g) * u`` and the rotary embedding forward and backward (the
+last bit for bit, as it has no sum), each one pass over memory
 instead of 2-8, split over ``torch.get_num_threads()`` threads. All round where HF's modules
 round (fp32, or bf16 with fp32 statistics), so results stay within the float tolerance of the
 HF forward's, not bit-identical (sums run in another order, ``exp`` is a polynomial).
@@ -135,6 +136,7 @@ class FusedKernels:
                 ("rms_norm_bwd", [c_void_p] * 6 + [c_int64, c_int64, c_int]),
                 ("silu_mul_fwd", [c_void_p] * 3 + [c_int64, c_int]),
                 ("silu_mul_bwd", [c_void_p] * 5 + [c_int64, c_int]),
+                ("rope", [c_void_p] * 4 + [c_int64] * 8 + [c_int, c_int]),
             ):
                 fn = getattr(lib, f"{kernel}_{name}")
                 fn.argtypes, fn.restype = args, None
@@ -303,6 +305,41 @@ class FusedKernels:
             _threads(g.numel()),
         )
         return dg, du
+
+    def rope(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False
+    ) -> torch.Tensor:
+        """``x * cos + x.roll(hd // 2, -1) * sin`` as a new dense tensor, rounded as those ATen
+        ops round: ``x [B, T, heads, hd]`` with a dense last dim, ``cos``/``sin`` (sign folded)
+        dense ``[B or 1, T, 1, hd]``. ``backward``: the gradient of that map for ``x`` = the
+        output's gradient, ``x * cos + (x * sin).roll(hd // 2, -1)``."""
+        _same(x, cos)
+        _same(x, sin)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        batch, seq, heads, hd = x.shape if x.dim() == 4 else (0, 0, 0, 0)
+        ok = x.dim() == 4 and hd % 2 == 0
+        ok = ok and cos.shape == sin.shape and cos.shape in ((batch, seq, 1, hd), (1, seq, 1, hd))
+        _check(ok and cos.is_contiguous() and sin.is_contiguous(), "x [B, T, H, hd], cos", x)
+        y = torch.empty(x.shape, dtype=x.dtype)
+        sb, st, sh, _ = x.stride()
+        shared = cos.shape[0] == 1
+        self._train["rope", x.dtype](
+            x.data_ptr(),
+            y.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            batch,
+            seq,
+            heads,
+            hd,
+            sb,
+            st,
+            sh,
+            0 if shared else seq * hd,
+            int(backward),
+            _threads(x.numel()),
+        )
+        return y
 
 
 def _threads(elements: int) -> int:

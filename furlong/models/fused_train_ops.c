@@ -1,6 +1,6 @@
 /* FastForward's training elementwise work, fused forward and backward: each RMSNorm is ~5 ATen
- * ops forward and ~8 backward, and the MLP's silu(g) * u 2 forward and 3 backward, each a full
- * pass over memory. Here each is one pass. Rounding follows HF's modules (and furlong's
+ * ops forward and ~8 backward, the MLP's silu(g) * u 2 forward and 3 backward, and the rotary
+ * embedding 4 forward and 5 backward, each a full pass over memory. Here each is one pass. Rounding follows HF's modules (and furlong's
  * _RMSNorm backward): fp32 arithmetic, bf16 results rounded where an ATen op would round them.
  * Each call splits its rows (or elements) into contiguous parts over an OpenMP team of at most
  * `threads` (torch's own libgomp, so ATen's workers do the work rather than a second pool);
@@ -125,6 +125,35 @@ static inline float sigmoid(float g) { return 1.0f / (1.0f + exp_f32(-g)); }
         }                                                                                      \
     }
 
+/* The rotary embedding of x [batch, seq, heads, hd] (last dim dense, any other strides) into
+ * dense y, with cos and sign-folded sin [batch or 1, seq, hd] (cb: their batch step, 0 when
+ * shared): fast_forward._rotate's x * cos + roll(x, hd / 2) * sin, each product rounded as
+ * ATen rounds it. backward: that map's transpose, autograd's sum of the two paths' gradients,
+ * g * cos + roll(g * sin). */
+#define ROPE(T, NAME, LOAD, STORE, ROUND)                                                      \
+    void NAME(const T *x, T *restrict y, const T *cs, const T *sn, int64_t batch, int64_t seq, \
+              int64_t heads, int64_t hd, int64_t sb, int64_t st, int64_t sh, int64_t cb,      \
+              int backward, int threads) {                                                     \
+        int64_t half = hd / 2;                                                                 \
+        _Pragma("omp parallel num_threads(threads) if (threads > 1)") {                        \
+            int64_t first, count;                                                              \
+            my_part(batch * seq, 1, &first, &count);                                           \
+            for (int64_t r = first; r < first + count; r++) {                                  \
+                int64_t b = r / seq, t = r % seq;                                              \
+                const T *c = cs + b * cb + t * hd, *s = sn + b * cb + t * hd;                  \
+                for (int64_t h = 0; h < heads; h++) {                                          \
+                    const T *xh = x + b * sb + t * st + h * sh;                                \
+                    T *yh = y + (r * heads + h) * hd;                                          \
+                    for (int64_t i = 0; i < hd; i++) {                                         \
+                        int64_t j = i < half ? i + half : i - half;                            \
+                        float turned = LOAD(xh[j]) * LOAD(s[backward ? j : i]);                \
+                        yh[i] = STORE(ROUND(LOAD(xh[i]) * LOAD(c[i])) + ROUND(turned));        \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
 #define AS_F32(v) (v)
 #define BF16_ROUND(v) from_bf16(to_bf16(v))
 RMS_FWD(float, rms_norm_fwd_f32, AS_F32, AS_F32, AS_F32, rstd_f32)
@@ -135,3 +164,5 @@ SILU_MUL_FWD(float, silu_mul_fwd_f32, AS_F32, AS_F32, AS_F32)
 SILU_MUL_FWD(bf16, silu_mul_fwd_bf16, from_bf16, to_bf16, BF16_ROUND)
 SILU_MUL_BWD(float, silu_mul_bwd_f32, AS_F32, AS_F32, AS_F32)
 SILU_MUL_BWD(bf16, silu_mul_bwd_bf16, from_bf16, to_bf16, BF16_ROUND)
+ROPE(float, rope_f32, AS_F32, AS_F32, AS_F32)
+ROPE(bf16, rope_bf16, from_bf16, to_bf16, BF16_ROUND)

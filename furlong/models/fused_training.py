@@ -49,6 +49,21 @@ class _SiluMulFn(torch.autograd.Function):
         return dg, du, None
 
 
+class _RopeFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: FusedKernels
+    ) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.kernels = k
+        return k.rope(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        cos, sin = ctx.saved_tensors
+        return ctx.kernels.rope(grad, cos, sin, backward=True), None, None, None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, k: FusedKernels) -> torch.Tensor:
     """HF's RMSNorm of dense ``x`` over its last dim (``weight`` in x's dtype)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -61,3 +76,11 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, k: FusedKernels) -> torch.Tensor:
     if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
         return _SiluMulFn.apply(g, u, k)
     return k.silu_mul_fwd(g, u)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: FusedKernels) -> torch.Tensor:
+    """The rotary embedding ``x * cos + x.roll(hd // 2, -1) * sin`` of ``x [B, T, heads, hd]``
+    (sign-folded ``sin``), bit for bit, forward and backward."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RopeFn.apply(x, cos, sin, k)
+    return k.rope(x, cos, sin)

@@ -1,5 +1,6 @@
 """The fused training kernels (fused_train_ops.c through fused_training's autograd nodes): the
-RMSNorm forward/backward and the MLP's ``silu(g) * u`` forward/backward, against hand-derived
+RMSNorm forward/backward, the MLP's ``silu(g) * u`` forward/backward and the rotary embedding
+(bit for bit), against hand-derived
 values and against autograd through HF's own modules, in fp32 and bf16, on one thread and on
 an OpenMP team; bad tensors are refused; FastForward's training pass through them matches its
 ATen pass in values and gradients. (The ``kernels`` fixture is in this folder's conftest.)"""
@@ -118,6 +119,42 @@ def test_silu_mul_equals_aten_in_values_and_gradients(kernels, threads, dtype) -
     _close(u_ours.grad, u_exact.grad, roundings=2)
 
 
+def test_rope_forward_and_backward_hand_values(kernels) -> None:
+    # hd 4: y = x * cos + roll(x, 2) * sin with sin sign-folded [-s, -s, s, s]; cos 0.5,
+    # s 2: x [1, 2, 3, 4] -> [0.5 - 6, 1 - 8, 1.5 + 2, 2 + 4]; the backward is the transpose,
+    # g * cos + roll(g * sin, 2): g [1, 0, 0, 1] -> [0.5 + 0, 0 + 2, 0 - 2, 0.5 + 0]
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 1, 1, 4).requires_grad_()
+    cos = torch.full((1, 1, 1, 4), 0.5)
+    sin = torch.tensor([-2.0, -2.0, 2.0, 2.0]).view(1, 1, 1, 4)
+    y = fused_training.rope(x, cos, sin, kernels)
+    assert y.flatten().tolist() == [-5.5, -7.0, 3.5, 6.0]
+    y.backward(torch.tensor([1.0, 0.0, 0.0, 1.0]).view(1, 1, 1, 4))
+    assert x.grad.flatten().tolist() == [0.5, 2.0, -2.0, 0.5]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per-row-positions", "shared-positions"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_equals_aten_bit_for_bit(kernels, threads, dtype, shared) -> None:
+    """Against fast_forward._rotate under autograd (HF's ops), values and gradients equal in
+    fp32 and bf16, on a strided x and a strided gradient (SDPA's, seen through a transpose)."""
+    from furlong.models.fast_forward import _rotate
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 7, 2, 5, 16, generator=g).to(dtype)
+    x_ref = base[:, :, 0].detach().requires_grad_()  # [3, 7, 5, 16], rows strided
+    x_ours = base[:, :, 0].detach().requires_grad_()
+    angles = torch.rand(1 if shared else 3, 7, 1, 16, generator=g) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    up = torch.randn(3, 5, 7, 16, generator=g).to(dtype).transpose(1, 2)  # strided gradient
+    want = _rotate(x_ref, cos, sin)
+    want.backward(up)
+    got = fused_training.rope(x_ours, cos, sin, kernels)
+    got.backward(up)
+    assert got.is_contiguous() and torch.equal(got, want)
+    assert torch.equal(x_ours.grad, x_ref.grad)
+    assert float(x_ref.grad.abs().sum()) > 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_team_and_one_thread_agree(kernels, dtype) -> None:
     """Rows and elements are split, never summed across threads (but dw's partial sums)."""
@@ -153,6 +190,9 @@ def test_bad_tensors_are_refused_before_any_write(kernels) -> None:
         (lambda: kernels.rms_norm_bwd(y, x, w, rstd.double()), r"fp32 rstd \[rows\]"),
         (lambda: kernels.silu_mul_fwd(x, x[:2]), "dense, alike"),
         (lambda: kernels.silu_mul_bwd(y.t(), x, x), "dense, alike"),
+        (lambda: kernels.rope(x.view(1, 4, 1, 8), w.view(1, 1, 1, 8), w[:4]), "cos"),
+        (lambda: kernels.rope(x.view(4, 8), w, w), "cos"),
+        (lambda: kernels.rope(x.view(2, 2, 1, 8), w.view(1, 1, 1, 8), w.view(1, 1, 1, 8)), "cos"),
     ]
     before = x.clone(), y.clone()
     for call, message in cases:
