@@ -106,10 +106,11 @@ def _linear(x: torch.Tensor, m: HFModule) -> torch.Tensor:
     # with the adapter in its own dtype (peft keeps a bf16 base's adapters in fp32: the input is
     # cast up, the sum is in fp32, and the result goes back to the base's dtype)
     base, terms = m.base_layer, lora_terms(m)
+    rows = x.numel() // max(x.shape[-1], 1)
     if (
         torch.is_grad_enabled()
         and len(terms) == 1
-        and lora_training.applies(base.weight, base.bias, *terms[0][:2])
+        and lora_training.applies(rows, base.weight, base.bias, *terms[0][:2])
     ):  # training one adapter over a frozen base: one GEMM each way (lora_training)
         return lora_training.merged_lora_linear(x, base.weight, base.bias, *terms[0])
     out = F.linear(x, base.weight, base.bias)

@@ -1,8 +1,9 @@
 """The merged LoRA training node equals peft's unmerged sum ``x W^T + b + s (x A^T) B^T``:
 outputs and the gradients of x, A and B against autograd through that sum in fp64, on nonzero
 B (peft starts it at 0) and a scale other than 1; a frozen input gives A and B their gradients
-alone; it applies only over a frozen base in the adapter's dtype; FastForward's training pass
-takes it for a one-adapter fp32 LoRA layer and not for a bf16 base with fp32 adapters."""
+alone; it applies only over a frozen base in the adapter's dtype and at rows enough for the
+merge to pay; FastForward's training pass takes it for a one-adapter fp32 LoRA layer and not
+for a bf16 base with fp32 adapters."""
 
 from __future__ import annotations
 
@@ -84,13 +85,14 @@ def test_a_frozen_input_still_trains_the_adapter() -> None:
     torch.testing.assert_close(b.grad, b2.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_applies_only_over_a_frozen_base_in_the_adapters_dtype() -> None:
-    w, bias = torch.randn(3, 2), torch.randn(3)
-    a, b = torch.randn(1, 2), torch.randn(3, 1)
-    assert lora_training.applies(w, bias, a, b)
-    assert not lora_training.applies(w.requires_grad_(), None, a, b)
-    assert not lora_training.applies(w.detach(), bias.requires_grad_(), a, b)
-    assert not lora_training.applies(w.detach().bfloat16(), None, a, b)  # peft's fp32 adapters
+def test_applies_over_a_frozen_base_in_the_adapters_dtype_with_rows_enough() -> None:
+    w, bias = torch.randn(6, 3), torch.randn(6)  # out 6, in 3: pays from 2 * 18 / 9 = 4 rows
+    a, b = torch.randn(1, 3), torch.randn(6, 1)
+    assert lora_training.applies(5, w, bias, a, b)
+    assert not lora_training.applies(4, w, bias, a, b)  # W' built twice costs what it saves
+    assert not lora_training.applies(5, w.requires_grad_(), None, a, b)
+    assert not lora_training.applies(5, w.detach(), bias.requires_grad_(), a, b)
+    assert not lora_training.applies(5, w.detach().bfloat16(), None, a, b)  # peft's fp32 A, B
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
