@@ -1,7 +1,8 @@
 /* FastForward's training elementwise work, fused forward and backward: each RMSNorm is ~5 ATen
  * ops forward and ~8 backward, the MLP's silu(g) * u 2 forward and 3 backward, and the rotary
- * embedding 4 forward and 5 backward, each a full pass over memory. Here each is one pass. Rounding follows HF's modules (and furlong's
- * _RMSNorm backward): fp32 arithmetic, bf16 results rounded where an ATen op would round them.
+ * embedding 4 forward and 5 backward, each a full pass over memory. Here each is one pass.
+ * Rounding follows HF's modules (and furlong's _RMSNorm backward): fp32 arithmetic, bf16
+ * results rounded where an ATen op would round them.
  * Each call splits its rows (or elements) into contiguous parts over an OpenMP team of at most
  * `threads` (torch's own libgomp, so ATen's workers do the work rather than a second pool);
  * built without OpenMP, the team is the calling thread. fused_kernels.py checks every tensor
