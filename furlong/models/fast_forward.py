@@ -106,11 +106,10 @@ def _linear(x: torch.Tensor, m: HFModule) -> torch.Tensor:
     # with the adapter in its own dtype (peft keeps a bf16 base's adapters in fp32: the input is
     # cast up, the sum is in fp32, and the result goes back to the base's dtype)
     base, terms = m.base_layer, lora_terms(m)
-    rows = x.numel() // max(x.shape[-1], 1)
     if (
         torch.is_grad_enabled()
         and len(terms) == 1
-        and lora_training.applies(rows, base.weight, base.bias, *terms[0][:2])
+        and lora_training.applies(_rows(x), base.weight, base.bias, *terms[0][:2])
     ):  # training one adapter over a frozen base: one GEMM each way (lora_training)
         return lora_training.merged_lora_linear(x, base.weight, base.bias, *terms[0])
     out = F.linear(x, base.weight, base.bias)
@@ -124,6 +123,11 @@ def _linear(x: torch.Tensor, m: HFModule) -> torch.Tensor:
         else:  # inference keeps peft's rounding, op for op (samplers equal peft's forward)
             out = out + F.linear(xa, lora_b) * scaling
     return out.to(dtype)
+
+
+def _rows(x: torch.Tensor) -> int:
+    """How many rows ``x [..., features]`` has."""
+    return x.numel() // max(x.shape[-1], 1)
 
 
 def _attention_dtype(h: torch.Tensor, cached: bool) -> torch.dtype:
@@ -174,9 +178,14 @@ def _right_padded(attention_mask: torch.Tensor) -> bool:
     return bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: FusedKernels | None = None
+) -> torch.Tensor:
     # HF's x * cos + rotate_half(x) * sin, with rotate_half's sign folded into ``sin``; not
-    # addcmul, whose single rounding differs from HF's in bf16
+    # addcmul, whose single rounding differs from HF's in bf16 (the training kernel rounds as
+    # these ops do, bit for bit)
+    if kernels is not None:
+        return fused_training.rope(x, cos, sin, kernels)
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
@@ -387,13 +396,7 @@ class FastForward:
             else:
                 if qk_norm:
                     q, k = _rms(q, attn.q_norm, train), _rms(k, attn.k_norm, train)
-                if train is not None:
-                    q, k = (
-                        fused_training.rope(q, cos, sin, train),
-                        fused_training.rope(k, cos, sin, train),
-                    )
-                else:
-                    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                q, k = _rotate(q, cos, sin, train), _rotate(k, cos, sin, train)
             k, v = k.transpose(1, 2).to(attn_dtype), v.transpose(1, 2).to(attn_dtype)
             q = q.to(attn_dtype)
             if cache is not None:
