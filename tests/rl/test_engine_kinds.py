@@ -70,9 +70,8 @@ def test_the_tinker_service_samples_from_the_kind_it_names(tmp_path) -> None:
     kind = registered()
     before = len(kind.built)
     with serve(tmp_path, rollout_engine="recording") as url:
-        training = client(url).create_lora_training_client(base_model=BASE, rank=4)
-        sampler = training.save_weights_and_get_sampling_client()
-        sampler = sampler.result() if hasattr(sampler, "result") else sampler
+        training = client(url).create_lora_training_client(base_model=BASE, rank=4).result()
+        sampler = training.save_weights_and_get_sampling_client().result()
         prompt = types.ModelInput.from_ints([5, 6, 7])
         params = types.SamplingParams(max_tokens=3, seed=0)
         result = sampler.sample(prompt, 2, params).result()

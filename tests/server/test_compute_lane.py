@@ -16,10 +16,7 @@ from furlong.train.engine import EngineConfig
 from furlong.train.turns import turn_point
 from tests.train.helpers import grads, random_datums
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
-]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def blocker(lane: ComputeLane) -> tuple[threading.Event, object]:

@@ -42,13 +42,9 @@ weights = pytest.importorskip("tinker_cookbook.weights")
 from tinker_cookbook.exceptions import WeightsDownloadError  # noqa: E402
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
-    # cookbook 0.5.8 calls what SDK 0.38 deprecates (the client's business, not the server's)
-    pytest.mark.filterwarnings("ignore:DEPRECATED. ServiceClient.create_rest_client:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:Using the future as the TrainingClient:FutureWarning"),
-]
+# cookbook 0.5.8 calls what SDK 0.38 deprecates: pyproject.toml's filterwarnings ignores those
+# two FutureWarnings from tinker_cookbook.weights._download alone
+pytestmark = pytest.mark.usefixtures("one_thread")
 KEY = "tml-cook"
 ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
 

@@ -22,7 +22,6 @@ for a few cases, through the official ``tinker`` SDK.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -1551,8 +1550,7 @@ def test_foreign_checkpoint_survives_a_delete_attempt(env: Env) -> None:
 def sdk(env: Env):
     client = tinker.ServiceClient(base_url=env.url, api_key=A_KEY)
     yield client
-    with contextlib.suppress(Exception):  # teardown only
-        client.close()
+    client.close("success").result(timeout=HTTP_TIMEOUT)  # ends the session: its models unload
 
 
 def _sdk_training(sdk, env: Env):
@@ -1562,6 +1560,13 @@ def _sdk_training(sdk, env: Env):
     training.optim_step(tt.AdamParams(learning_rate=1e-2)).result(timeout=HTTP_TIMEOUT)
     training.forward_backward(datums(2), "cross_entropy").result(timeout=HTTP_TIMEOUT)
     return training
+
+
+def _load_state(training, path: str):
+    """``TrainingClient.load_state``: deprecated in SDK 0.38 (the warning is asserted), and
+    still the SDK's only way to load into an existing model, the route this case refuses."""
+    with pytest.warns(FutureWarning, match=r"TrainingClient\.load_state\*\(\) is deprecated"):
+        return training.load_state(path)
 
 
 def _nan_weights() -> list[tt.Datum]:
@@ -1599,7 +1604,7 @@ SDK_CASES: list[tuple[str, Callable, str | tuple[str, ...]]] = [
     ("sdk-save-state-bad-name", lambda t, s, e: t.save_state("../escape"), "path"),
     (
         "sdk-load-state-other-tenant",
-        lambda t, s, e: t.load_state(e.b_weights),
+        lambda t, s, e: _load_state(t, e.b_weights),
         ("path", "checkpoint"),
     ),
     ("sdk-create-rank-zero", lambda t, s, e: s.create_lora_training_client(BASE, rank=0), "rank"),

@@ -22,10 +22,7 @@ BASE = "Qwen/Qwen3-8B-Base"
 ADAM = AdamParams(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=1.0)
 IDS = torch.tensor([[5, 17, 300, 42, 9, 650, 12, 77]])
 
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
-]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_pool(tmp_path: Path, **kwargs: object) -> ModelPool:

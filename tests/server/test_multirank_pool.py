@@ -18,9 +18,6 @@ from furlong.types import AdamParams
 from tests.train.helpers import params, random_datums
 
 ADAM = AdamParams(learning_rate=1e-4, grad_clip_norm=1.0)
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"  # peft, on the LoRA model
-)
 
 
 def test_full_finetune_on_two_ranks_matches_one_process(tmp_path: Path) -> None:

@@ -47,6 +47,12 @@ def client(url: str, key: str = "tml-test") -> tinker.ServiceClient:
     return tinker.ServiceClient(base_url=url, api_key=key)
 
 
+def rest(url: str, key: str = "tml-test") -> tinker.RestClient:
+    """The SDK's session-less client (listings, capabilities): SDK 0.38 deprecates
+    ``ServiceClient.create_rest_client()`` for this."""
+    return tinker.RestClient(base_url=url, api_key=key)
+
+
 def rl_data(n: int = 5, seed: int = 0) -> tuple[list[types.Datum], list[Datum]]:
     """The same datums for the SDK and for the engine."""
     rng = np.random.default_rng(seed)
@@ -121,7 +127,7 @@ def test_training_moves_the_model_and_state_round_trips(server) -> None:
     a = training.forward(data, "cross_entropy").result()
     b = restored.forward(data, "cross_entropy").result()
     assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], abs=1e-5)
-    runs = service.create_rest_client().list_training_runs().result()
+    runs = rest(server).list_training_runs().result()
     assert training.model_id in [r.training_run_id for r in runs.training_runs]
 
 
@@ -132,7 +138,7 @@ def test_forward_backward_custom(server) -> None:
 
     def loss_fn(data, logprobs):  # maximise the mean log-prob of the targets
         loss = -sum(lp.sum() for lp in logprobs) / sum(len(lp) for lp in logprobs)
-        return loss, {"custom:mean": float(loss)}
+        return loss, {"custom:mean": float(loss.detach())}
 
     out = training.forward_backward_custom(sdk_data, loss_fn).result()
     assert out.metrics["loss:sum"] < 0 or out.metrics["loss:sum"] > 0
@@ -145,7 +151,7 @@ def test_sampling_and_compute_logprobs(server) -> None:
     service = client(server)
     training = service.create_lora_training_client(BASE, rank=4).result()
     tokenizer = training.get_tokenizer()
-    sampler = training.save_weights_and_get_sampling_client()
+    sampler = training.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints(tokenizer("What is 2 + 3?")["input_ids"])
     params = types.SamplingParams(max_tokens=8, seed=3, temperature=1.0, stop=[])
     a = sampler.sample(prompt, num_samples=2, sampling_params=params).result()
@@ -203,7 +209,7 @@ def test_checkpoints_survive_a_restart(tmp_path) -> None:
         restored = client(url).create_training_client_from_state(path).result()
         got = restored.forward(sdk_data, "cross_entropy").result().metrics["loss:sum"]
         assert got == pytest.approx(want, abs=1e-5)
-        info = client(url).create_rest_client().get_weights_info_by_tinker_path(path).result()
+        info = rest(url).get_weights_info_by_tinker_path(path).result()
         assert info.is_lora and info.lora_rank == 4 and info.base_model == BASE
 
 
@@ -211,7 +217,8 @@ def test_cli_serves_the_sdk(tmp_path) -> None:
     args = ["--base-model", f"{BASE}=tiny-qwen3", "--state-dir", str(tmp_path / "state")]
     with cli_server([*args, "--hf-home", str(tmp_path / "hf")]) as url:
         service = client(url)
-        names = [m.model_name for m in service.get_server_capabilities().supported_models]
+        caps = rest(url).get_server_capabilities().result()
+        names = [m.model_name for m in caps.supported_models]
         assert names == [BASE]
         training = service.create_lora_training_client(BASE, rank=2).result()
         out = training.forward(rl_data(1)[0], "cross_entropy").result()
@@ -225,7 +232,7 @@ def test_cli_serves_the_sdk(tmp_path) -> None:
 
 
 def test_prompt_logprobs_top_k_and_last_n_match_a_teacher_forced_forward(server) -> None:
-    sampler = client(server).create_sampling_client(base_model=BASE)
+    sampler = client(server).create_sampling_client(base_model=BASE).result()
     model, tokenizer = build_preset("tiny-qwen3", seed=0)
     ids = tokenizer("What is 12 + 30? Think first.")["input_ids"]
     with torch.no_grad():
@@ -289,21 +296,23 @@ def test_a_resaved_sampler_path_serves_the_new_weights(server) -> None:
     tokenizer = training.get_tokenizer()
     tokens = types.ModelInput.from_ints(tokenizer("What is 7 + 1? 8")["input_ids"])
     path = training.save_weights_for_sampler("snap").result().path
-    old = service.create_sampling_client(model_path=path)
+    old = service.create_sampling_client(model_path=path).result()
     before = old.compute_logprobs(tokens).result()
-    again = service.create_sampling_client(model_path=path).compute_logprobs(tokens).result()
+    again = (
+        service.create_sampling_client(model_path=path).result().compute_logprobs(tokens).result()
+    )
     assert again == before  # a second client over the same snapshot sees the same weights
     datum = sft_datum(tokenizer, "What is 7 + 1?", " 8<|im_end|>")
     training.forward_backward([datum], "cross_entropy").result()
     training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     assert training.save_weights_for_sampler("snap").result().path == path  # overwritten
-    new = service.create_sampling_client(model_path=path).compute_logprobs(tokens).result()
+    new = service.create_sampling_client(model_path=path).result().compute_logprobs(tokens).result()
     assert abs(new[-1] - before[-1]) > 1e-3
     assert old.compute_logprobs(tokens).result() == before  # a live sampler keeps its snapshot
 
 
 def test_stop_ids_and_strings_include_the_terminator(server) -> None:
-    sampler = client(server).create_sampling_client(base_model=BASE)
+    sampler = client(server).create_sampling_client(base_model=BASE).result()
     tokenizer = build_preset("tiny-qwen3", seed=0)[1]
     prompt = types.ModelInput.from_ints(tokenizer("What is 2 + 3?")["input_ids"])
     free = types.SamplingParams(max_tokens=12, seed=5, stop=[])

@@ -18,10 +18,7 @@ from tests.server.test_sdk import BASE, client, rl_data, serve
 from tests.server.test_sdk_checkpoints import HOUR, Clock
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
-]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -34,10 +34,7 @@ from tests.server.test_sdk import BASE, client, rl_data, serve
 from tests.train.helpers import random_datums
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
-]
+pytestmark = pytest.mark.usefixtures("one_thread")
 HOUR = 3600
 
 

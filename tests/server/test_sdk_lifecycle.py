@@ -25,7 +25,7 @@ from furlong.server.app import create_app
 from furlong.server.service import Service, ServiceConfig
 from furlong.server.state import owner_id
 from furlong.serving import background_server
-from tests.server.test_sdk import BASE, client, sft_datum
+from tests.server.test_sdk import BASE, client, rest, sft_datum
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -126,7 +126,7 @@ def test_unload_refuses_later_operations_frees_the_model_and_keeps_its_checkpoin
         assert adapters(service) == set()
         with pytest.raises(Exception, match="was unloaded"):
             training.forward([datum], "cross_entropy").result()
-        restored = sdk.create_training_client_from_state(saved)
+        restored = sdk.create_training_client_from_state(saved).result()
         before = training_loss(restored, datum)
         assert before > 0
 
@@ -143,7 +143,7 @@ def test_a_silent_session_ends_freeing_its_models_and_samplers(tmp_path) -> None
         sdk = client(url)
         training = sdk.create_lora_training_client(BASE, rank=4).result()
         saved = training.save_state("kept").result().path
-        sampler = training.save_weights_and_get_sampling_client()
+        sampler = training.save_weights_and_get_sampling_client().result()
         prompt = types.ModelInput.from_ints([5, 6, 7])
         sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4)).result()
         assert service.sampling.snapshots.loaded()[0] == 1
@@ -167,7 +167,7 @@ def test_a_silent_session_ends_freeing_its_models_and_samplers(tmp_path) -> None
         with pytest.raises(Exception, match="its session ended"):
             sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
         # the checkpoint outlives the session
-        client(url).create_training_client_from_state(saved).save_state("again").result()
+        client(url).create_training_client_from_state(saved).result().save_state("again").result()
 
 
 def test_finishing_a_session_ends_it_and_the_listing_shows_live_sessions(tmp_path) -> None:
@@ -177,16 +177,16 @@ def test_finishing_a_session_ends_it_and_the_listing_shows_live_sessions(tmp_pat
         training = sdk.create_lora_training_client(BASE, rank=2).result()
         sampler = training.save_weights_and_get_sampling_client().result()
         session_id = training.model_id.split(":train:")[0]
-        rest = sdk.create_rest_client()
-        assert session_id in rest.list_sessions().result().sessions
-        info = rest.get_session(session_id).result()
+        rest_client = rest(url)
+        assert session_id in rest_client.list_sessions().result().sessions
+        info = rest_client.get_session(session_id).result()
         assert info.training_run_ids == [training.model_id]
         assert info.sampler_ids == [sampler._sampling_session_id]
-        other = client(url, "tml-other").create_rest_client()
+        other = rest(url, "tml-other")
         assert session_id not in other.list_sessions().result().sessions
         sdk.close("success").result()  # POST sessions/{id}/finish
         wait_until(lambda: freed(service, training.model_id), "the finished model left the pool")
-        assert session_id not in client(url).create_rest_client().list_sessions().result().sessions
+        assert session_id not in rest(url).list_sessions().result().sessions
 
 
 @pytest.mark.parametrize("cycles", [200])
@@ -201,7 +201,7 @@ def test_save_and_sample_cycles_do_not_grow(tmp_path, cycles: int) -> None:
         prompt = types.ModelInput.from_ints(tokenizer("What is 2 + 3?")["input_ids"])
         rss: list[float] = []
         for step in range(cycles):
-            sampler = training.save_weights_and_get_sampling_client()
+            sampler = training.save_weights_and_get_sampling_client().result()
             result = sampler.sample(prompt, 4, types.SamplingParams(max_tokens=6)).result()
             data = [rl_datum(prompt.to_ints(), s) for s in result.sequences]
             training.forward_backward(data, "importance_sampling").result()

@@ -12,10 +12,7 @@ from tinker import types
 from tests.server.test_sdk import BASE, client, rl_data, serve
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
-]
+pytestmark = pytest.mark.usefixtures("one_thread")
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
 DMEL = bytes([0, 2, 1, 8]) + bytes(8)  # a TensorContainer header: uint8 [1, 8], then its data
 

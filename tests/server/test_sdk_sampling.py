@@ -24,10 +24,7 @@ from tests.server import test_sdk
 from tests.server.test_sdk import BASE, client, sft_datum
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
-]
+pytestmark = pytest.mark.usefixtures("one_thread")
 server = test_sdk.server  # the same module-scoped server fixture, one per module
 KEY = "tml-test"  # client()'s default key: raw requests act as the same tenant
 VOCAB = 768  # tiny-qwen3
