@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint docs bench clean
+.PHONY: install demo test test-fast install-check lint docs bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m ruff check furlong tests benchmarks tools
 	$(PY) -m pytest -q -m "not slow"
+
+# furlong as users install it (tools/install_check.py): the sdist and the wheel built from it,
+# a fresh venv with the core dependencies only (the demo, its fused kernels built from the
+# wheel's sources), then [server] (furlong serve and the README's SDK example); ~3 min.
+install-check: $(STAMP)
+	$(PY) tools/install_check.py --python $(PYTHON)
 
 # mypy: its settings ([tool.mypy] in pyproject.toml) name what it checks (furlong/).
 lint: $(STAMP)

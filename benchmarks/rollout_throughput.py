@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flops import Shape, decode_flops, gemm_peak  # noqa: E402
 
 from furlong.models import load_model  # noqa: E402
-from furlong.models.fused_kernels import fused_kernels  # noqa: E402
+from furlong.models.fused_kernels import fused_kernels, kernel_build  # noqa: E402
 from furlong.rollout.engine import EmbeddedEngine  # noqa: E402
 from furlong.rollout.sampling import SamplingParams  # noqa: E402
 
@@ -88,7 +88,7 @@ def aten_ops_only() -> Iterator[None]:
     """FastForward without the fused kernels, as ``FURLONG_FUSED_KERNELS=0`` makes it."""
     before = os.environ.get("FURLONG_FUSED_KERNELS")
     os.environ["FURLONG_FUSED_KERNELS"] = "0"
-    fused_kernels.cache_clear()
+    kernel_build.cache_clear()
     try:
         yield
     finally:
@@ -96,7 +96,7 @@ def aten_ops_only() -> Iterator[None]:
             del os.environ["FURLONG_FUSED_KERNELS"]
         else:
             os.environ["FURLONG_FUSED_KERNELS"] = before
-        fused_kernels.cache_clear()
+        kernel_build.cache_clear()
 
 
 def run_engine(model, tokenizer, prompts, lengths, fast_forward: bool = True) -> float:

@@ -183,6 +183,13 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env(args: argparse.Namespace) -> int:
+    from furlong.env_report import collect, render
+
+    print(render(collect(), as_json=args.json))
+    return 0
+
+
 def _listen_flags(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument(
         "--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every one)"
@@ -392,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         serve.add_argument(flag, type=bound.kind, default=bound.default, help=bound.help)
     serve.set_defaults(func=_serve)
+
+    env = sub.add_parser(
+        "env", help="this install: versions, extras, CPU kernels, the fused kernels' build"
+    )
+    env.add_argument("--json", action="store_true", help="as one JSON object")
+    env.set_defaults(func=_env)
     return parser
 
 

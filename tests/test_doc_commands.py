@@ -20,7 +20,7 @@ from furlong.rl.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-SUBCOMMANDS = {"demo", "train", "init-model", "rollout-server", "session-server", "serve"}
+SUBCOMMANDS = {"demo", "train", "init-model", "rollout-server", "session-server", "serve", "env"}
 
 
 def _commands() -> list[tuple[str, list[str]]]:

@@ -37,12 +37,12 @@ import torch
 
 from furlong.atomic import replacing
 from furlong.models.pretrained import cache_root
+from furlong.package_data import package_file
 
 log = logging.getLogger(__name__)
 
-HERE = Path(__file__).parent
-SOURCES = (HERE / "fused_ops.c", HERE / "fused_train_ops.c")
-HEADER = HERE / "fused_ops.h"
+SOURCES = (package_file("models/fused_ops.c"), package_file("models/fused_train_ops.c"))
+HEADER = package_file("models/fused_ops.h")
 # no -ffast-math and no FMA contraction: each float op rounds as written
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
 # the training kernels' threads; a compiler without OpenMP builds them single-threaded
@@ -89,25 +89,35 @@ def _build(compiler: str, flags: tuple[str, ...]) -> Path:
     return path
 
 
-@functools.cache
 def fused_kernels() -> FusedKernels | None:
     """The compiled kernels, or None (disabled, no compiler, or a failed build: logged once)."""
+    return kernel_build()[0]
+
+
+@functools.cache
+def kernel_build() -> tuple[FusedKernels | None, str]:
+    """The compiled kernels and the library's path, or None and why not (logged once)."""
     if os.environ.get("FURLONG_FUSED_KERNELS", "1") == "0":
-        return None
+        return None, "off (FURLONG_FUSED_KERNELS=0)"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.info("no C compiler: FastForward keeps ATen's ops for its norms and rotary")
-        return None
+        return None, "no C compiler ($CC, cc or gcc)"
+    lost = [str(f) for f in (*SOURCES, HEADER) if not f.is_file()]
+    if lost:  # not this machine's doing: the install left out package data
+        why = f"furlong's package is incomplete (reinstall it): {lost} missing"
+        log.error("%s; using ATen's ops", why)
+        return None, why
     try:
         try:
             path = _build(compiler, (*FLAGS, OPENMP))
         except subprocess.CalledProcessError:
             path = _build(compiler, FLAGS)
-        return FusedKernels(ctypes.CDLL(str(path)))
+        return FusedKernels(ctypes.CDLL(str(path))), str(path)
     except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("fused CPU kernels unavailable, using ATen's ops: %s", str(detail)[-500:])
-        return None
+        detail = str(getattr(e, "stderr", "") or e)[-500:]
+        log.warning("fused CPU kernels unavailable, using ATen's ops: %s", detail)
+        return None, f"build failed: {detail}"
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from furlong.errors import InputError
+from furlong.extras import require
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class ScaleOut:
                 raise InputError(f"scale.{name}: must be an integer >= 1, got {value!r}")
         if self.ray is None and (self.rollout_engines > 1 or self.colocate):
             raise InputError("scale.rollout_engines / scale.colocate: need Ray (scale.ray)")
+        if self.ray is not None:
+            require("ray", "scale.ray (--ray)")
         if self.enabled and colocation:
             raise InputError(
                 "colocate.enabled: the in-process hand-off needs a single-process trainer; "

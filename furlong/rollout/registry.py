@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from furlong.errors import InputError
+from furlong.extras import extra_of, install_hint
 from furlong.rollout.base import protocol_members
 
 if TYPE_CHECKING:
@@ -64,8 +65,11 @@ def engine_class(kind: object, need: type, where: str = "rollout.engine") -> typ
         module, _, name = entry.partition(":")
         try:
             entry = getattr(importlib.import_module(module), name)
-        except ImportError as e:  # an optional dependency (httpx, ray) is missing
-            raise InputError(f"{where}: {kind!r} needs {e.name}, which is not installed") from e
+        except ImportError as e:  # an optional dependency (ray) is missing
+            top = (e.name or "").partition(".")[0]
+            extra = extra_of(top)
+            hint = f": {install_hint(extra)}" if extra else ""
+            raise InputError(f"{where}: {kind!r} needs {top}, which is not installed{hint}") from e
     cls = cast(type[Any], entry)
     missing = [m for m in protocol_members(need) if not _declares(cls, m)]
     if not hasattr(cls, "from_request"):

@@ -160,17 +160,17 @@ def test_bad_tensors_are_refused_before_any_write(kernels) -> None:
 
 def test_built_once_into_the_cache(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("FURLONG_CACHE", str(tmp_path))
-    fk.fused_kernels.cache_clear()
+    fk.kernel_build.cache_clear()
     try:
         assert fk.fused_kernels() is not None
         (built,) = (tmp_path / "kernels").glob("fused_ops-*.so")
         stamp = built.stat().st_mtime_ns
-        fk.fused_kernels.cache_clear()
+        fk.kernel_build.cache_clear()
         assert fk.fused_kernels() is not None
         assert built.stat().st_mtime_ns == stamp  # found, not rebuilt
         assert [p.name for p in (tmp_path / "kernels").iterdir()] == [built.name]  # no temp left
     finally:
-        fk.fused_kernels.cache_clear()
+        fk.kernel_build.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -182,7 +182,7 @@ def test_without_kernels_fast_forward_uses_aten(monkeypatch, tmp_path, caplog, e
     monkeypatch.setenv("FURLONG_CACHE", str(tmp_path))  # nothing cached to find
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    fk.fused_kernels.cache_clear()
+    fk.kernel_build.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger=fk.__name__):
             assert fk.fused_kernels() is None
@@ -195,7 +195,7 @@ def test_without_kernels_fast_forward_uses_aten(monkeypatch, tmp_path, caplog, e
             got = FastForward(model)(ids, mask, mask.cumsum(1) - 1, None, logits_to_keep=0)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     finally:
-        fk.fused_kernels.cache_clear()
+        fk.kernel_build.cache_clear()
 
 
 def test_fast_forward_in_bf16_and_its_fallback_for_fp32_norms(kernels) -> None:

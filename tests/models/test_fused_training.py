@@ -247,14 +247,14 @@ def test_without_openmp_the_kernels_run_on_one_thread(kernels, monkeypatch, tmp_
         team = kernels.rms_norm_fwd(x, w, 1e-6)
         monkeypatch.setenv("FURLONG_CACHE", str(tmp_path))
         monkeypatch.setattr(fk, "OPENMP", "-fno-such-flag")
-        fk.fused_kernels.cache_clear()
+        fk.kernel_build.cache_clear()
         serial = fk.fused_kernels()
         assert serial is not None and serial is not kernels
         y, rstd = serial.rms_norm_fwd(x, w, 1e-6)
         dx, dw = serial.rms_norm_bwd(torch.ones_like(x), x, w, rstd)
     finally:
         torch.set_num_threads(before)
-        fk.fused_kernels.cache_clear()
+        fk.kernel_build.cache_clear()
     assert torch.equal(y, team[0]) and torch.equal(rstd, team[1])
     torch.testing.assert_close(y, torch.rms_norm(x, (256,), w, 1e-6))
     x_hat = x * rstd.unsqueeze(-1)
