@@ -1,6 +1,7 @@
 """How long `furlong` takes to answer before it does any work: `--help`, `--version`, a
-command's `--help`, and a mistyped model name (offline), this checkout against a baseline
-checkout (e.g. a ``git worktree`` of an older commit), alternating in one invocation:
+command's `--help`, a mistyped model name (offline), and `furlong serve` given a missing
+keys file or a port in use (one this script holds), this checkout against a baseline checkout
+(e.g. a ``git worktree`` of an older commit), alternating in one invocation:
 
     git worktree add /tmp/before 4f35d96
     .venv/bin/python benchmarks/cli_startup.py --baseline-checkout /tmp/before --rounds 7
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -28,7 +30,7 @@ FAST = {  # answered without touching a model: repeated --rounds times
     "furlong train --help": ["-m", "furlong", "train", "--help"],
     "python -c 'import torch'": ["-c", "import torch"],
 }
-SLOW = {  # a mistyped or unreachable model, offline: once per side (the baseline: minutes)
+SLOW = {  # once per side: the baseline may spend minutes on a model, or load one first
     "train model.name=tiny-qwen4": ["-m", "furlong", "train", "model.name=tiny-qwen4"],
     "serve --base-model Qwen/Qwen3-8B-Base": [
         "-m",
@@ -39,6 +41,9 @@ SLOW = {  # a mistyped or unreachable model, offline: once per side (the baselin
         "--port",
         "0",
     ],
+    # answered before torch loads since the up-front checks; the baseline may load the model
+    "serve --api-keys-file (missing)": ["-m", "furlong", "serve", "--api-keys-file", "nosuch"],
+    "serve --port (in use)": ["-m", "furlong", "serve", "--port", "HELD"],
 }
 
 
@@ -60,7 +65,7 @@ def one_run(checkout: Path, argv: list[str], timeout: float) -> tuple[float, str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--baseline-checkout", required=True, help="the tree to compare with")
     parser.add_argument("--rounds", type=int, default=7, help="runs per side of each fast case")
     parser.add_argument("--slow-timeout", type=float, default=120.0, help="seconds, model cases")
@@ -75,9 +80,14 @@ def main() -> None:
                 seconds, endings[side] = one_run(sides[side], argv, 60.0)
                 times[side].append(seconds)
         _row(name, {side: statistics.median(t) for side, t in times.items()}, endings)
-    for name, argv in SLOW.items():
-        runs = {side: one_run(sides[side], argv, args.slow_timeout) for side in sides}
-        _row(name, {s: r[0] for s, r in runs.items()}, {s: r[1] for s, r in runs.items()})
+    with socket.socket() as held:  # another server on the port of "serve --port (in use)"
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        for name, argv in SLOW.items():
+            argv = [port if word == "HELD" else word for word in argv]
+            runs = {side: one_run(sides[side], argv, args.slow_timeout) for side in sides}
+            _row(name, {s: r[0] for s, r in runs.items()}, {s: r[1] for s, r in runs.items()})
 
 
 def _row(name: str, seconds: dict[str, float], endings: dict[str, str]) -> None:

@@ -58,7 +58,7 @@ def summary(cells: list[Cell]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--recipe", type=Path, default=RECIPE, help="a furlong train config")
     parser.add_argument("--algo", choices=("grpo", "ppo"), default="grpo")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

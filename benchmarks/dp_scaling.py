@@ -161,7 +161,7 @@ def worker(rank: int, args: argparse.Namespace, store: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model", default="small-qwen3")
     parser.add_argument("--datums", type=int, default=16)
     parser.add_argument("--length", type=int, default=128)

@@ -73,7 +73,7 @@ def run(setting: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))

@@ -119,7 +119,7 @@ def run_worker(variant: str, args: argparse.Namespace) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--rows", "-T", type=int, default=4096)
     parser.add_argument("--vocab", "-V", type=int, default=151_936)
     parser.add_argument("--hidden", "-H", type=int, default=1024)

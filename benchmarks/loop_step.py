@@ -49,7 +49,7 @@ def one_run(checkout: Path, steps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--baseline-checkout", required=True, help="the tree to compare with")
     parser.add_argument("--rounds", type=int, default=5, help="runs per side, alternating")
     parser.add_argument("--steps", type=int, default=12, help="RL steps per run (3 and up timed)")

@@ -191,7 +191,7 @@ def default_disk_dir() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--state-gib", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2)

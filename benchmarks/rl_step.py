@@ -480,7 +480,7 @@ def default_target(baseline: str, dtype: str, max_tokens: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument(
         "--model", default="small-qwen3", help="preset, pretrained model name or HF directory"
     )

@@ -132,7 +132,7 @@ def run_generate(model, tokenizer, prompts, lengths) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model", default="tiny-qwen3")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)

@@ -52,7 +52,7 @@ def batch(n: int, length: int, seed: int = 0) -> tuple[list[types.Datum], list[D
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model", default="small-qwen3")
     parser.add_argument("--datums", type=int, default=64)
     parser.add_argument("--length", type=int, default=128)

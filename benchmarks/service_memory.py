@@ -150,7 +150,7 @@ def summary(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--model", default="tiny-qwen3")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--group", type=int, default=8, help="samples per step")

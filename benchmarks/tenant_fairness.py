@@ -278,7 +278,7 @@ def report(results: list[Scenario], args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model", default="tiny-qwen3")
     parser.add_argument("--repeats", type=int, default=16, help="A's requests per condition")
     parser.add_argument("--rounds", type=int, default=2, help="alone/load alternations")

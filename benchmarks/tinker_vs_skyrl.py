@@ -95,7 +95,7 @@ def timed(client: tinker.TrainingClient, data: list[types.Datum]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model-dir", type=Path, help="SkyRL's benchmark model (make_tiny.py)")
     parser.add_argument("--sky-url", help="a running SkyRL Tinker server on the same model")

@@ -112,7 +112,7 @@ def alone(kind: str, shape: tuple) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--model", default="small-qwen3")
     parser.add_argument("--rank", type=int, default=32, help="LoRA rank; 0: full fine-tuning")
     parser.add_argument("--rows", type=int, default=64)

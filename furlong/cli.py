@@ -1,21 +1,26 @@
-"""`furlong` command line: demo | train | init-model | rollout-server | session-server | serve."""
+"""The `furlong` command line: demo | train | init-model | rollout-server | session-server |
+serve | env."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from furlong import __version__
-from furlong.errors import InputError
+from furlong.errors import InputError, did_you_mean
 from furlong.models.pretrained import model_names
 from furlong.precision import DTYPES
 from furlong.server.bounds import BOUNDS
+
+if TYPE_CHECKING:
+    import socket
+
+    from furlong.rollout.control import ControlPolicy
 
 # Nothing heavy is imported at module level: `--help`, `--version` and a usage error answer
 # without torch (benchmarks/cli_startup.py); each command imports what it needs.
@@ -118,34 +123,28 @@ def _copy_pretrained(name: str, out: str) -> int:
 
 
 def _rollout_server(args: argparse.Namespace) -> int:
-    from furlong.models.names import check_model
-
-    check_model(args.model, "--model")  # before the imports below load torch
-    from furlong.rollout.control import cli_policy
+    bucket = args.max_bucket_bytes
+    if bucket is not None and bucket <= 0:
+        raise InputError(f"--max-bucket-bytes: expected a positive number of bytes, got {bucket}")
+    policy, sock = _rollout_front(args, "rollout-server")
     from furlong.rollout.server import MAX_BUCKET_BYTES, serve
 
-    bucket = MAX_BUCKET_BYTES if args.max_bucket_bytes is None else args.max_bucket_bytes
-    if bucket <= 0:
-        raise InputError(f"--max-bucket-bytes: expected a positive number of bytes, got {bucket}")
-    policy = cli_policy("rollout-server", args.admin_token_file, args.weights_dir)
-    serve(args.model, args.host, args.port, args.max_running, args.seed, policy, bucket)
+    bucket = MAX_BUCKET_BYTES if bucket is None else bucket
+    serve(args.model, args.host, args.port, args.max_running, args.seed, policy, bucket, sock=sock)
     return 0
 
 
 def _session_server(args: argparse.Namespace) -> int:
-    from furlong.models.names import check_model
-
-    check_model(args.model, "--model")  # before the imports below load torch
-    from furlong.rollout.control import cli_policy
+    policy, sock = _rollout_front(args, "session-server")
     from furlong.rollout.sessions.serve import serve
 
-    policy = cli_policy("session-server", args.admin_token_file, args.weights_dir)
     serve(
         args.model,
         args.host,
         args.port,
         args.pause_mode,
         policy,
+        sock=sock,
         max_running=args.max_running,
         seed=args.seed,
         routing_replay=not args.no_routing_replay,
@@ -154,10 +153,32 @@ def _session_server(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from furlong.server.main import parse_base_models, serve
+def _rollout_front(args: argparse.Namespace, command: str) -> tuple[ControlPolicy, socket.socket]:
+    """The rollout and session servers' checks before torch loads: the server extra, the
+    model, the batch slots, the control flags, then the port (opened here: the socket is what
+    uvicorn serves). A generated admin token is shown once all of them passed."""
+    from furlong.extras import require
+    from furlong.listen import bind
+    from furlong.models.names import check_model
+    from furlong.rollout.control import cli_policy
 
-    parse_base_models(args.base_model or ["tiny-qwen3"])  # checked before serve loads torch
+    require("server", "this command")
+    check_model(args.model, "--model")
+    if args.max_running < 1:
+        raise InputError(f"--max-running: expected an integer >= 1, got {args.max_running}")
+    policy, generated = cli_policy(args.admin_token_file, args.weights_dir)
+    sock = bind(args.host, args.port)
+    if generated:
+        token = policy.admin_token
+        print(f"furlong {command}: admin token for control routes: {token}", file=sys.stderr)
+    return policy, sock
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from furlong.extras import require
+    from furlong.server.main import serve  # checks every flag and the port before torch loads
+
+    require("server", "this command")
     serve(
         base_models=args.base_model or ["tiny-qwen3"],
         host=args.host,
@@ -226,10 +247,14 @@ class _Help(argparse.HelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors in one line, with the closest flag or choice when one was mistyped."""
+    """Usage errors in one line, with the closest flag or choice when one was mistyped. A flag
+    must be spelled whole: argparse would take ``--trainer-rank`` as ``--trainer-ranks`` (and
+    a prefix that is whole today may name another flag tomorrow). Subparsers are built by this
+    class too (``add_subparsers`` uses the parent's), so every parser of the CLI refuses it."""
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", _Help)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(**kwargs)
 
     def error(self, message: str) -> NoReturn:
@@ -246,9 +271,9 @@ class _Parser(argparse.ArgumentParser):
         else:
             return ""
         for word in words:
-            close = difflib.get_close_matches(word.partition("=")[0], known, n=1)
-            if close:
-                return f"; did you mean {close[0]}?"
+            hint = did_you_mean(word.partition("=")[0], known, quote=str)
+            if hint:
+                return hint
         return ""
 
 

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import uvicorn
 
 from furlong.errors import InputError
+from furlong.listen import bind, where
 
 T = TypeVar("T")
 
@@ -100,20 +101,29 @@ def background_server(app: Callable[..., Any], host: str = "127.0.0.1") -> Itera
         sock.close()
 
 
-def run_announced(app: Any, host: str, port: int, ready: Callable[[str], str]) -> None:
-    """``uvicorn.run(app, host=host, port=port)``, and ``ready(url)`` to stderr as soon as the
-    socket listens (the URL has the bound port: ``port=0`` shows the one picked)."""
+def run_announced(
+    app: Any,
+    host: str,
+    port: int,
+    ready: Callable[[str], str],
+    sock: socket.socket | None = None,
+) -> None:
+    """``uvicorn.run(app, host=host, port=port)``, and ``ready(url)`` to stderr as soon as it
+    serves (the URL has the bound port: ``port=0`` shows the one picked). ``sock``: the socket
+    :func:`furlong.listen.bind` opened for ``host``:``port`` before the app was built (else it
+    is opened here); a port in use is then an :class:`InputError` naming ``--port``."""
+    if sock is None:
+        sock = bind(host, port)
+    bound = sock.getsockname()[1]
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)  # binds, or exits (uvicorn logs why)
+            await super().startup(sockets)  # serves on sock, or exits (uvicorn logs why)
             if self.started:
-                bound = self.servers[0].sockets[0].getsockname()[1]
-                where = f"[{host}]" if ":" in host else host
-                print(ready(f"http://{where}:{bound}"), file=sys.stderr, flush=True)
+                print(ready(f"http://{where(host, bound)}"), file=sys.stderr, flush=True)
 
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run: Ctrl-C is a normal stop
-        server.run()
+    server = Server(uvicorn.Config(app, host=host, port=bound, log_level="warning"))
+    with sock, contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run: Ctrl-C is a normal stop
+        server.run(sockets=[sock])
     if not server.started:  # as uvicorn.run: a failed start exits 3
         sys.exit(3)

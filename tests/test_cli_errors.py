@@ -3,15 +3,20 @@ traceback. Each case runs `python -m furlong` as a subprocess, as a user would."
 
 from __future__ import annotations
 
+import argparse
+import ast
 import importlib.metadata
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from furlong import cli
+from furlong.extras import EXTRAS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,6 +36,14 @@ CASES = {
     "missing api keys file": (
         ["serve", "--api-keys-file", "nosuch-keys"],
         "--api-keys-file: cannot read 'nosuch-keys' (No such file or directory)",
+    ),
+    "unknown config field": (
+        ["train", "rollout.grup_size=4"],
+        "; did you mean 'group_size'?",
+    ),
+    "abbreviated flag": (
+        ["train", "--trainer-rank", "2"],
+        "unrecognized arguments: --trainer-rank; did you mean --trainer-ranks?",
     ),
     # flags after overrides are read as flags: here a bad value of one, after an override
     "flag after overrides": (
@@ -154,3 +167,177 @@ def test_serve_dtype_flag_takes_the_precision_names() -> None:
     assert cli.parse(["serve", "--dtype", "auto"]).dtype == "auto"
     with pytest.raises(SystemExit):
         cli.parse(["serve", "--dtype", "half"])
+
+
+# ------------------------------------------------------------------ no prefix matching
+
+ABBREVIATED = {  # argv, the whole line: argparse would have run these as the longer flag
+    "train": (
+        ["train", "--trainer-rank", "2"],
+        "furlong train: unrecognized arguments: --trainer-rank; did you mean --trainer-ranks? "
+        "(see --help)",
+    ),
+    "train, after overrides": (
+        ["train", "run.steps=1", "--ray-co"],
+        "furlong train: unrecognized arguments: --ray-co; did you mean --ray-colocate? "
+        "(see --help)",
+    ),
+    "serve": (
+        ["serve", "--base-mod", "tiny-qwen3"],
+        "furlong serve: unrecognized arguments: --base-mod tiny-qwen3; did you mean "
+        "--base-model? (see --help)",
+    ),
+    "demo": (
+        ["demo", "--alg", "ppo"],
+        "furlong demo: unrecognized arguments: --alg; did you mean --algo? (see --help)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ABBREVIATED)
+def test_an_abbreviated_flag_is_refused_with_the_whole_one(case: str, capsys) -> None:
+    argv, line = ABBREVIATED[case]
+    with pytest.raises(SystemExit) as stop:
+        cli.parse(argv)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+def test_no_parser_of_the_cli_takes_a_prefix() -> None:
+    parsers = list(_parsers(cli.build_parser()))
+    assert len(parsers) == 1 + len(cli._commands(cli.build_parser()))
+    assert [p.prog for p in parsers if p.allow_abbrev is not False] == []
+
+
+SCRIPTS = sorted([*ROOT.glob("benchmarks/*.py"), *ROOT.glob("tools/*.py")])
+
+
+def test_no_script_parser_takes_a_prefix() -> None:
+    """Every ``ArgumentParser(...)`` in benchmarks/ and tools/ says ``allow_abbrev=False``."""
+    calls = [
+        (path.name, node)
+        for path in SCRIPTS
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("ArgumentParser")
+    ]
+    assert len(calls) >= 10
+    for name, call in calls:
+        flags = {k.arg: k.value for k in call.keywords}
+        off = flags.get("allow_abbrev")
+        assert isinstance(off, ast.Constant) and off.value is False, name
+
+
+# ------------------------------------------------------ the servers check before torch loads
+
+# argv (PORT: a port this test holds), the line after "furlong COMMAND: "
+PREFLIGHT = {
+    "serve: missing keys file": (
+        ["serve", "--api-keys-file", "nosuch-keys"],
+        "--api-keys-file: cannot read 'nosuch-keys' (No such file or directory)",
+    ),
+    "serve: empty keys file": (
+        ["serve", "--api-keys-file", "empty"],
+        "--api-keys-file: 'empty' lists no keys",
+    ),
+    "serve: port in use": (
+        ["serve", "--port", "PORT"],
+        "--port: 127.0.0.1:PORT is in use (another server?); choose another --port",
+    ),
+    "serve: state dir is a file": (
+        ["serve", "--state-dir", "empty"],
+        "--state-dir: 'empty' is not a directory",
+    ),
+    "serve: hf home under a file": (
+        ["serve", "--hf-home", "empty/hub"],
+        "--hf-home: 'empty/hub' cannot be made (empty is a file)",
+    ),
+    "serve: a count below 1": (
+        ["serve", "--max-datums", "0"],
+        "--max-datums: expected an integer >= 1, got 0",
+    ),
+    "serve: a bound below its least": (
+        ["serve", "--snapshot-engines", "0"],
+        "--snapshot-engines: must be >= 1, got 0",
+    ),
+    "serve: a port past 65535": (
+        ["serve", "--port", "70000"],
+        "--port: expected 0..65535 (0: any free port), got 70000",
+    ),
+    "rollout-server: port in use": (
+        ["rollout-server", "--port", "PORT"],
+        "--port: 127.0.0.1:PORT is in use (another server?); choose another --port",
+    ),
+    "rollout-server: missing weights dir": (
+        ["rollout-server", "--weights-dir", "nosuch-dir"],
+        "--weights-dir: 'nosuch-dir': no such directory",
+    ),
+    "rollout-server: missing admin token file": (
+        ["rollout-server", "--admin-token-file", "nosuch-token"],
+        "--admin-token-file: cannot read nosuch-token (No such file or directory)",
+    ),
+    "rollout-server: no batch slots": (
+        ["rollout-server", "--max-running", "0"],
+        "--max-running: expected an integer >= 1, got 0",
+    ),
+    "session-server: port in use": (
+        ["session-server", "--pause-mode", "abort", "--port", "PORT"],
+        "--port: 127.0.0.1:PORT is in use (another server?); choose another --port",
+    ),
+    "session-server: missing weights dir": (
+        ["session-server", "--pause-mode", "abort", "--weights-dir", "nosuch-dir"],
+        "--weights-dir: 'nosuch-dir': no such directory",
+    ),
+    "session-server: short admin token": (
+        ["session-server", "--pause-mode", "abort", "--admin-token-file", "short-token"],
+        "--admin-token-file: the token in short-token has 5 characters; use at least 16",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", PREFLIGHT)
+def test_a_server_refuses_a_bad_flag_or_port_before_torch_loads(case: str, tmp_path: Path) -> None:
+    """One line naming the flag, exit 2, and torch not yet imported when it is said: a
+    mechanism that answers at once, where the model would load first (a port in use was
+    uvicorn's [Errno 98] after it)."""
+    (tmp_path / "empty").write_text("")
+    (tmp_path / "short-token").write_text("short\n")
+    with socket.socket() as held:  # another server on the port (bound and listening)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        argv = [port if word == "PORT" else word for word in PREFLIGHT[case][0]]
+        run = f"print(cli.main({argv!r}), 'torch' in sys.modules)"
+        code = f"import sys; from furlong import cli; {run}"
+        env = {k: v for k, v in os.environ.items() if k != "FURLONG_ADMIN_TOKEN"}
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tmp_path,
+            env=env | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=300,  # a hang guard, not a timing claim
+        )
+    assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr)
+    line = PREFLIGHT[case][1].replace("PORT", port)
+    assert done.stderr.splitlines() == [f"furlong {argv[0]}: {line}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "short-token"]  # no writes
+
+
+@pytest.mark.parametrize(
+    "argv", [["serve"], ["rollout-server"], ["session-server", "--pause-mode", "abort"]]
+)
+def test_without_the_server_extra_a_server_says_what_to_install(argv, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(EXTRAS, "server", ("fastapi", "no_such_module_xyz"))
+    assert cli.main([*argv, "--port", "0"]) == 2
+    assert capsys.readouterr().err == (
+        f"furlong {argv[0]}: this command needs furlong's 'server' extra (no_such_module_xyz "
+        "not installed): pip install 'furlong[server]'\n"
+    )

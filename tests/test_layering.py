@@ -53,15 +53,18 @@ def test_imports_follow_the_layers(path: Path) -> None:
             assert rest.split(".")[0] not in forbidden, f"{_part(path)}/ imports {name}"
 
 
-# What the CLI imports before a command runs: none of it may load torch or transformers, so
-# `furlong --help`, `--version` and usage errors answer at once (benchmarks/cli_startup.py).
+# What the CLI imports before a command runs: none of it may load torch, transformers or the
+# server stack, so `furlong --help`, `--version`, usage errors and the servers' flag and port
+# checks answer at once (benchmarks/cli_startup.py).
 LIGHT = [
     "furlong",
     "furlong.cli",
+    "furlong.listen",
     "furlong.models.names",
     "furlong.models.presets",
     "furlong.models.pretrained",
     "furlong.rl.config_source",
+    "furlong.rollout.control",
     "furlong.server.main",
 ]
 
@@ -71,6 +74,7 @@ def test_the_cli_start_imports_no_framework(module: str) -> None:
     import subprocess
     import sys
 
-    code = f"import sys, {module}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
+    heavy = {"torch", "transformers", "fastapi", "uvicorn"}
+    code = f"import sys, {module}; print(sorted({heavy!r} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"

@@ -7,7 +7,6 @@ Torch-free; huggingface_hub is imported only for a hub id."""
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import socket
@@ -16,7 +15,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from furlong.errors import InputError
+from furlong.errors import InputError, did_you_mean, nearest
 from furlong.models.pretrained import model_names
 
 PROBE_TIMEOUT_S = 1.0  # a reachable hub answers a TCP connect far sooner
@@ -79,9 +78,7 @@ def describe() -> str:
 
 def closest(spec: str) -> str | None:
     """The known model name nearest ``spec`` (its part after any ``ORG/``), if one is close."""
-    name = spec.rsplit("/", 1)[-1].lower()
-    close = difflib.get_close_matches(name, model_names(), n=1)
-    return close[0] if close else None
+    return nearest(_bare(spec), model_names())
 
 
 def hub_unreachable() -> str | None:
@@ -101,8 +98,12 @@ def _kinds() -> str:
 
 
 def _suggest(spec: str) -> str:
-    name = closest(spec)
-    return f"; did you mean {name!r}?" if name else ""
+    return did_you_mean(_bare(spec), model_names())
+
+
+def _bare(spec: str) -> str:
+    """A model name as furlong's names are spelled: its part after any ``ORG/``, lower case."""
+    return spec.rsplit("/", 1)[-1].lower()
 
 
 def _cached(repo_id: str) -> bool:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from furlong.errors import InputError
+from furlong.errors import InputError, did_you_mean
 from furlong.precision import DTYPES
 from furlong.rl.config_source import check_model_name, raw_config
 from furlong.rl.rollout_choice import check_choice
@@ -157,7 +157,9 @@ class RunConfig:
     out_dir: str = "runs/rl"  # metrics.jsonl, warmup.jsonl, curves.png, policy/
     seed: int = 0  # problems, sampling and the critic's head
     export_hf: bool = True  # write the final policy as an HF directory (LoRA: merged)
-    export_adapter: bool = False  # LoRA: also write the adapter alone (peft) in policy_adapter/
+    # LoRA: also write the adapter alone (peft) in policy_adapter/, and after a warm-up the
+    # warmed-up base it adapts in policy_base/ (which the adapter names)
+    export_adapter: bool = False
     tensorboard: bool = True  # mirror metrics to TensorBoard under out_dir/tensorboard/
     wandb: bool = False  # mirror metrics to wandb (pip install wandb; WANDB_MODE=offline works)
     wandb_project: str = "furlong"  # the wandb project the run logs to
@@ -303,7 +305,10 @@ class RLConfig:
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise InputError(f"{name}: unknown {value!r}; expected one of {list(allowed)}")
+        raise InputError(
+            f"{name}: unknown {value!r}; expected one of {list(allowed)}"
+            + did_you_mean(value, allowed)
+        )
 
 
 # ------------------------------------------------------------------ loading
@@ -338,7 +343,10 @@ def from_dict(raw: dict[str, Any]) -> RLConfig:
     built = {}
     for group, values in raw.items():
         if group not in groups:
-            raise InputError(f"config: unknown group [{group}]; expected one of {list(groups)}")
+            raise InputError(
+                f"config: unknown group [{group}]; expected one of {list(groups)}"
+                + did_you_mean(group, groups)
+            )
         if not isinstance(values, dict):
             raise InputError(f"config: [{group}] must be a table")
         factory = groups[group].default_factory
@@ -353,7 +361,10 @@ def _build(cls: type, values: dict[str, Any], group: str) -> Any:
     out = {}
     for name, value in values.items():
         if name not in fields:
-            raise InputError(f"{group}.{name}: unknown field; expected one of {sorted(fields)}")
+            raise InputError(
+                f"{group}.{name}: unknown field; expected one of {sorted(fields)}"
+                + did_you_mean(name, sorted(fields))
+            )
         out[name] = _coerce(value, hints[name], f"{group}.{name}")
     return cls(**out)
 

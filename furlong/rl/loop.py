@@ -126,7 +126,7 @@ def train(
     tracker.close()
     hf_dir = _export(parts, out / "policy") if run.export_hf else None
     if run.export_adapter and parts.adapter is not None:
-        _export_adapter(parts.adapter, out / "policy_adapter", _adapter_base(config, parts))
+        _export_adapter(parts.adapter, out / "policy_adapter", _adapter_base(config, parts, out))
     parts.rollout.close()  # first: Ray trainer ranks release the placement group it is on
     parts.actor.close()
     return RunSummary(before, accuracy, run.steps, time.perf_counter() - start, out, hf_dir)
@@ -185,13 +185,19 @@ def _export(parts: Parts, path: Path) -> Path:
     return parts.actor.export_hf(path)
 
 
-def _adapter_base(config: RLConfig, parts: Parts) -> str | None:
-    """The exported adapter's base as the user named it (``model.name``). After a warm-up the
-    adapter sits on the warmed-up weights, which no name loads: then none is named."""
-    return config.model.name if parts.warmed_base is None else None
+def _adapter_base(config: RLConfig, parts: Parts, out: Path) -> str:
+    """The exported adapter's base: ``model.name``, as the user named it. After a warm-up the
+    adapter sits on the warmed-up weights, which no name loads: they are exported beside it as
+    ``policy_base/`` (an HF directory), named by its absolute path. RL never changed them: the
+    adapter trains on a weight-sharing view, and the rollout merges into copies."""
+    if parts.warmed_base is None:
+        return config.model.name
+    from furlong.models.loading import save_hf_dir
+
+    return str(save_hf_dir(*parts.warmed_base, out / "policy_base").resolve())
 
 
-def _export_adapter(adapter: PeftModel, path: Path, base_model: str | None) -> Path:
+def _export_adapter(adapter: PeftModel, path: Path, base_model: str) -> Path:
     from furlong.models.loading import atomic_dir, publish_dir
     from furlong.train import lora
 

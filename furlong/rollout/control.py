@@ -7,6 +7,9 @@ The rollout server and the session server serve two kinds of caller on one port:
 to one directory (resolved first, so ``..`` and symlinks cannot leave it). Whatever goes wrong
 with a path, the caller gets the same message: whether a file exists, or how large it is, is
 not an answer the server gives (the detail goes to the server's log).
+
+Torch-free to import (safetensors loads with the first weights), so the CLI checks its control
+flags before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -15,19 +18,19 @@ import hmac
 import logging
 import os
 import secrets
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import load_file
+from typing import TYPE_CHECKING, Any
 
 from furlong.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("furlong.control")
 
 ADMIN_TOKEN_ENV = "FURLONG_ADMIN_TOKEN"
+MIN_TOKEN_CHARS = 16
 
 
 class Unauthorized(PermissionError):
@@ -40,8 +43,8 @@ class ControlPolicy:
     weights_dir: Path | None = None  # None: any path this process can read
 
     def __post_init__(self) -> None:
-        if self.admin_token is not None and len(self.admin_token) < 16:
-            raise InputError("admin_token: use at least 16 characters")
+        if self.admin_token is not None and len(self.admin_token) < MIN_TOKEN_CHARS:
+            raise InputError(f"admin_token: use at least {MIN_TOKEN_CHARS} characters")
         if self.weights_dir is not None:
             resolved = Path(self.weights_dir).resolve()
             if not resolved.is_dir():
@@ -66,6 +69,8 @@ class ControlPolicy:
         """The tensors of a safetensors file, or of every ``*.safetensors`` in a directory, at
         ``path``. Any failure (not allowed, missing, unreadable, not safetensors) is one
         :class:`InputError` that names ``field`` and says nothing about the file."""
+        from safetensors.torch import load_file
+
         if not isinstance(path, str | os.PathLike) or not str(path):
             raise InputError(f"{field}: expected a safetensors file or directory, got {path!r}")
         refusal = InputError(
@@ -98,21 +103,28 @@ def admin_token_from(path: str | None) -> tuple[str, bool]:
             token = Path(path).read_text().strip()
         except OSError as exc:
             raise InputError(f"--admin-token-file: cannot read {path} ({exc.strerror})") from None
+        except UnicodeDecodeError:
+            raise InputError(f"--admin-token-file: {path} is not text") from None
         if not token:
             raise InputError(f"--admin-token-file: {path} is empty")
-        return token, False
+        return _long_enough(token, f"--admin-token-file: the token in {path}"), False
     if token := os.environ.get(ADMIN_TOKEN_ENV, "").strip():
-        return token, False
+        return _long_enough(token, f"${ADMIN_TOKEN_ENV}"), False
     return secrets.token_urlsafe(32), True
 
 
-def cli_policy(
-    command: str, admin_token_file: str | None, weights_dir: str | None
-) -> ControlPolicy:
-    """The policy of a server started from the command line: always with a token (a generated
-    one is shown once on stderr, since the trainer needs it to publish weights)."""
+def _long_enough(token: str, where: str) -> str:
+    if len(token) < MIN_TOKEN_CHARS:  # ControlPolicy's rule, said in the flag's words
+        raise InputError(f"{where} has {len(token)} characters; use at least {MIN_TOKEN_CHARS}")
+    return token
+
+
+def cli_policy(admin_token_file: str | None, weights_dir: str | None) -> tuple[ControlPolicy, bool]:
+    """The policy of a server started from the command line, always with a token, and whether
+    that token was generated (then the caller shows it once on stderr, since the trainer needs
+    it to publish weights). Errors name the flags."""
     token, generated = admin_token_from(admin_token_file)
-    policy = ControlPolicy(token, Path(weights_dir) if weights_dir else None)
-    if generated:
-        print(f"furlong {command}: admin token for control routes: {token}", file=sys.stderr)
-    return policy
+    if weights_dir is not None and not Path(weights_dir).is_dir():
+        why = "is not a directory" if Path(weights_dir).exists() else "no such directory"
+        raise InputError(f"--weights-dir: {weights_dir!r}: {why}")
+    return ControlPolicy(token, Path(weights_dir) if weights_dir else None), generated

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 import time
 import uuid
 from typing import Any
@@ -32,6 +33,7 @@ from safetensors.torch import load as safetensors_load
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from furlong.errors import InputError
+from furlong.listen import bind
 from furlong.rollout import sglang_wire as wire
 from furlong.rollout.base import MEMORY_TAGS, MemoryTag, check_tags
 from furlong.rollout.control import ControlPolicy, Unauthorized
@@ -368,12 +370,16 @@ def serve(
     seed: int,
     policy: ControlPolicy,
     max_bucket_bytes: int = MAX_BUCKET_BYTES,
+    sock: socket.socket | None = None,
 ) -> None:
+    """``sock``: the listening socket for ``host``:``port`` (``furlong.listen.bind``; else it
+    is opened here, before the model loads)."""
     from furlong.models import load_model
     from furlong.models.names import check_model
     from furlong.serving import run_announced
 
     check_model(model, "--model")
+    sock = bind(host, port) if sock is None else sock
     net, tokenizer = load_model(model, seed=seed)
     engine = EmbeddedEngine(net, tokenizer, max_running=max_running)
     app = create_app(engine, model, policy=policy, max_bucket_bytes=max_bucket_bytes)
@@ -382,4 +388,5 @@ def serve(
         host,
         port,
         lambda url: f"furlong rollout-server: {model} on {url} (SGLang HTTP protocol)",
+        sock,
     )

@@ -1,16 +1,21 @@
-"""Start ``furlong serve``: parse the served base models and keys, then run uvicorn.
+"""Start ``furlong serve``: check every flag and open the port, then load and run uvicorn.
 
-Importing this module is cheap (torch comes in with :func:`serve`), so the CLI checks the base
-models with :func:`parse_base_models` before anything heavy loads."""
+Importing this module is cheap, and :func:`serve` checks the served base models, the keys
+file, the numbers, the directories and the port before torch loads: a mistake is one
+:class:`InputError` naming its flag at once, not after the models have loaded."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from furlong.errors import InputError
+from furlong.extras import require
+from furlong.listen import bind
 from furlong.models.names import check_model
+from furlong.server.bounds import BOUNDS
 
 DEFAULT_STATE_DIR = "furlong-state"  # the CLI's --state-dir default, relative to the cwd
 
@@ -41,7 +46,7 @@ def read_api_keys(path: str | None) -> frozenset[str] | None:
         raise InputError(f"--api-keys-file: {path!r} is not text ({e})") from None
     keys = frozenset(line.strip() for line in text.splitlines() if line.strip())
     if not keys:
-        raise InputError(f"--api-keys-file: {path} lists no keys")
+        raise InputError(f"--api-keys-file: {path!r} lists no keys")
     return keys
 
 
@@ -68,15 +73,31 @@ def serve(
     **bounds: Any,
 ) -> None:
     """``bounds``: ServiceConfig's memory bounds by name (furlong.server.bounds)."""
+    require("server", "furlong serve")
+    keys = read_api_keys(api_keys_file)
+    served = parse_base_models(base_models)
+    counts = {
+        "max_datums": max_datums,
+        "max_tokens_per_datum": max_tokens_per_datum,
+        "max_body_mb": max_body_mb,
+        "max_samples": max_samples,
+        "max_sample_tokens": max_sample_tokens,
+        "trainer_ranks": trainer_ranks,
+    }
+    check_numbers(counts, bounds)
+    check_writable_dir(state_dir, "--state-dir")
+    check_writable_dir(optimizer_state_dir, "--optimizer-state-dir")
+    check_writable_dir(hf_home, "--hf-home")
+    sock = bind(host, port)  # the last check; uvicorn serves this socket
+
     from furlong.models.loading import resolve
     from furlong.server.app import create_app
     from furlong.server.config import ServiceConfig
     from furlong.server.service import Service
     from furlong.serving import run_announced
 
-    keys = read_api_keys(api_keys_file)
     config = ServiceConfig(
-        base_models=parse_base_models(base_models),
+        base_models=served,
         state_dir=Path(state_dir),
         full_finetune=full_finetune,
         seed=seed,
@@ -115,7 +136,43 @@ def serve(
         host,
         port,
         lambda url: f"furlong serve: {models} on {url} (TINKER_BASE_URL), state in {state}",
+        sock,
     )
+
+
+def check_numbers(counts: dict[str, int], bounds: dict[str, Any]) -> None:
+    """``counts`` (by name) are integers >= 1 and ``bounds`` within their least values
+    (furlong.server.bounds); an error names the flag."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{_flag(name)}: expected an integer >= 1, got {value!r}")
+    for name, value in bounds.items():
+        least = BOUNDS[name].least
+        if not value >= least:
+            raise InputError(f"{_flag(name)}: must be >= {least:g}, got {value!r}")
+
+
+def check_writable_dir(path: str | None, flag: str) -> None:
+    """``path`` (None: not given) is a directory this process may write in, or one it may
+    create: its nearest existing ancestor is such a directory. Nothing is created here."""
+    if path is None:
+        return
+    target = Path(path)
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = (
+            "is not a directory" if existing == target else f"cannot be made ({existing} is a file)"
+        )
+        raise InputError(f"{flag}: {path!r} {what}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == target else f" (in {existing}, to create it)"
+        raise InputError(f"{flag}: {path!r}: permission denied{where}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def _where_state(state_dir: str) -> str:

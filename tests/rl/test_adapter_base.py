@@ -1,6 +1,7 @@
 """An exported LoRA adapter names its base as the user gave it (`model.name`), so peft finds
 the base from the adapter directory alone; after a warm-up (the adapter sits on warmed-up
-weights no name loads) it names none rather than the wrong one."""
+weights no name loads) it names the warmed-up base the run exports beside it, policy_base/
+(tests/rl/test_lora_train.py checks that base + adapter is the merged policy)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def test_a_local_base_is_named_by_its_path_and_loads_from_it(tmp_path) -> None:
         assert (given(IDS).logits - plain).abs().max() > 1e-4  # the adapter is not a no-op
 
 
-def test_after_a_warm_up_no_base_is_named(tmp_path) -> None:
+def test_after_a_warm_up_the_exported_warmed_up_base_is_named(tmp_path) -> None:
     adapter = adapter_run(tmp_path, "tiny-qwen3", "warmup.steps=1", "warmup.batch_size=2")
-    assert PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path is None
+    named = PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path
+    assert named == str((tmp_path / "run" / "policy_base").resolve())
+    assert (tmp_path / "run" / "policy_base" / "config.json").is_file()

@@ -69,6 +69,43 @@ def test_validation_says_what_to_change(overrides, match) -> None:
         load_config(None, overrides)
 
 
+# the start and end of each message, written out; the list between is every valid name
+SPELLING = [
+    (
+        ["rollout.grup_size=4"],
+        r"^rollout\.grup_size: unknown field; expected one of \['engine', 'group_size', .*\]; "
+        r"did you mean 'group_size'\?$",
+    ),
+    (  # an abbreviation: the name it begins
+        ["algo.learning=1e-3"],
+        r"^algo\.learning: unknown field; expected one of \[.*\]; did you mean 'learning_rate'\?$",
+    ),
+    (
+        ["optim.lr=1"],
+        r"^config: unknown group \[optim\]; expected one of \['model', .*\]; "
+        r"did you mean 'optimizer'\?$",
+    ),
+    (
+        ["algo.objective=ppp"],
+        r"^algo\.objective: unknown 'ppp'; expected one of \[.*\]; did you mean 'ppo'\?$",
+    ),
+    (["rollout.zzzzzz=1"], r"^rollout\.zzzzzz: unknown field; expected one of \[[^;]*\]$"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", SPELLING)
+def test_a_mistyped_name_says_the_closest_right_one(overrides, message) -> None:
+    with pytest.raises(InputError, match=message):
+        load_config(None, overrides)
+
+
+def test_a_mistyped_name_in_the_toml_file_says_the_closest_too(tmp_path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("[rollout]\ngroup_sise = 4\n")
+    with pytest.raises(InputError, match=r"^rollout\.group_sise: .*; did you mean 'group_size'\?$"):
+        load_config(path)
+
+
 def test_gae_replaces_the_group_requirement() -> None:
     config = load_config(None, ["algo.advantage=gae", "rollout.group_size=1"])
     assert config.uses_critic

@@ -1,14 +1,17 @@
 """LoRA in `furlong train`: the actor trains a peft adapter (the Tinker service's adapter code)
 on a weight-sharing view of the policy; the rollout engine samples from the merged weights,
-and the run exports the merged model and, on request, the adapter alone."""
+and the run exports the merged model and, on request, the adapter alone (after a warm-up with
+the warmed-up base it adapts)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from peft import PeftModel
+from peft import PeftConfig, PeftModel
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from furlong.errors import InputError
@@ -75,6 +78,28 @@ def test_a_lora_run_trains_the_adapter_and_exports_merged_and_adapter(tmp_path) 
         )
         for k in changed
     ), changed
+
+
+def test_an_adapter_exported_after_a_warm_up_loads_on_the_exported_base(tmp_path) -> None:
+    """The adapter sits on the warmed-up weights, which no model name loads: the run exports
+    them as policy_base/, the adapter names that directory, and base + adapter is policy/. On
+    the preset base (what a user had before) the adapter is another model."""
+    steps = ["warmup.steps=2", "warmup.batch_size=8", "run.steps=2", "run.eval_every=2"]
+    summary = train(lora_config(tmp_path, *steps, "run.save_every=1"))
+    base, adapter = tmp_path / "policy_base", tmp_path / "policy_adapter"
+    named = PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path
+    assert named == str(base.resolve()) and Path(named).is_absolute()
+    merged = AutoModelForCausalLM.from_pretrained(summary.hf_dir)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(named), adapter)
+    on_preset = PeftModel.from_pretrained(build_preset("tiny-qwen3", seed=0)[0], adapter)
+    with torch.no_grad():
+        want = merged(IDS).logits
+        torch.testing.assert_close(adapted(IDS).logits, want, atol=1e-4, rtol=0)
+        assert (on_preset(IDS).logits - want).abs().max() > 0.1  # the test can fail
+    # RL moved no base weight: step 1's checkpoint holds the same base as the export
+    first = load_file(tmp_path / "checkpoints" / "step-000001" / "base" / "model.safetensors")
+    last = load_file(base / "model.safetensors")
+    assert first.keys() == last.keys() and all(torch.equal(first[k], last[k]) for k in first)
 
 
 @pytest.mark.parametrize(

@@ -157,9 +157,9 @@ def test_lora_with_a_warm_up_resumes_bit_identically(tmp_path, monkeypatch) -> N
     assert cli.main(["train", "--resume", str(resumed)]) == 0
     assert (resumed / "warmup.jsonl").read_text() == warmup
     assert_same_run(straight, resumed)
-    a = load_file(str(straight / "policy_adapter" / "adapter_model.safetensors"))
-    b = load_file(str(resumed / "policy_adapter" / "adapter_model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for exported in ("policy_adapter/adapter_model.safetensors", "policy_base/model.safetensors"):
+        a, b = load_file(str(straight / exported)), load_file(str(resumed / exported))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), exported
 
 
 def test_resume_refuses_a_changed_config(tmp_path, capsys) -> None:

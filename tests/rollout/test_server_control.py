@@ -194,21 +194,24 @@ def test_the_client_publishes_with_the_token_and_says_why_without(served) -> Non
 
 def test_the_cli_always_runs_with_a_token(monkeypatch, tmp_path, capsys) -> None:
     seen: list = []
-    monkeypatch.setattr(rollout_server, "serve", lambda *args: seen.append(args))
+    monkeypatch.setattr(rollout_server, "serve", lambda *args, **kw: seen.append(args))
     monkeypatch.delenv("FURLONG_ADMIN_TOKEN", raising=False)
-    assert cli.main(["rollout-server"]) == 0  # a generated token, shown once
+
+    def run(*flags: str) -> int:  # the CLI opens the port before serve(): a free one
+        return cli.main(["rollout-server", "--port", "0", *flags])
+
+    assert run() == 0  # a generated token, shown once
     policy, bucket = seen[-1][-2:]
     assert bucket == rollout_server.MAX_BUCKET_BYTES == 4 << 30 and policy.weights_dir is None
     line = f"furlong rollout-server: admin token for control routes: {policy.admin_token}"
     assert capsys.readouterr().err.strip() == line
     monkeypatch.setenv("FURLONG_ADMIN_TOKEN", "from-the-environment-0123")
-    args = ["rollout-server", "--weights-dir", str(tmp_path), "--max-bucket-bytes", "1000"]
-    assert cli.main(args) == 0
+    assert run("--weights-dir", str(tmp_path), "--max-bucket-bytes", "1000") == 0
     policy, bucket = seen[-1][-2:]
     assert policy.admin_token == "from-the-environment-0123" and bucket == 1000
     assert policy.weights_dir == tmp_path.resolve() and capsys.readouterr().err == ""
     (tmp_path / "token").write_text(TOKEN + "\n")
-    assert cli.main(["rollout-server", "--admin-token-file", str(tmp_path / "token")]) == 0
+    assert run("--admin-token-file", str(tmp_path / "token")) == 0
     assert seen[-1][-2].admin_token == TOKEN
-    assert cli.main(["rollout-server", "--admin-token-file", str(tmp_path / "none")]) == 2
+    assert run("--admin-token-file", str(tmp_path / "none")) == 2
     assert "--admin-token-file: cannot read" in capsys.readouterr().err

@@ -237,13 +237,13 @@ def test_the_session_server_cli_always_runs_with_a_token(monkeypatch, tmp_path, 
     seen: list = []
     monkeypatch.setattr(session_serve, "serve", lambda *args, **kw: seen.append(args))
     monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
-    assert cli.main(["session-server", "--pause-mode", "abort"]) == 0
+    assert cli.main(["session-server", "--pause-mode", "abort", "--port", "0"]) == 0
     policy = seen[-1][4]
     line = f"furlong session-server: admin token for control routes: {policy.admin_token}"
     assert capsys.readouterr().err.strip() == line and policy.weights_dir is None
     (tmp_path / "token").write_text(TOKEN)
     args = ["--admin-token-file", str(tmp_path / "token"), "--weights-dir", str(tmp_path)]
-    assert cli.main(["session-server", "--pause-mode", "abort", *args]) == 0
+    assert cli.main(["session-server", "--pause-mode", "abort", "--port", "0", *args]) == 0
     policy = seen[-1][4]
     assert policy.admin_token == TOKEN and policy.weights_dir == tmp_path.resolve()
     assert capsys.readouterr().err == ""

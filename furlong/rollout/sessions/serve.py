@@ -3,10 +3,12 @@ default), and uvicorn."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any, cast
 
 from fastapi import FastAPI
 
+from furlong.listen import bind
 from furlong.rollout.base import PauseMode, SessionEngine
 from furlong.rollout.control import ControlPolicy
 from furlong.rollout.registry import EngineRequest, build_engine, engine_class
@@ -46,12 +48,16 @@ def serve(
     port: int,
     pause_mode: str,
     policy: ControlPolicy,
+    sock: socket.socket | None = None,
     **options: Any,  # build's keywords
 ) -> None:
+    """``sock``: the listening socket for ``host``:``port`` (``furlong.listen.bind``; else it
+    is opened here, before the model loads)."""
     from furlong.models.names import check_model
     from furlong.serving import run_announced
 
     check_model(model, "--model")  # before the engine kind's and the model's imports
+    sock = bind(host, port) if sock is None else sock
     app = build(model, pause_mode, policy=policy, **options)
     run_announced(
         app,
@@ -61,4 +67,5 @@ def serve(
             f"furlong session-server: {model} on {url} (OpenAI-compatible /v1 per "
             f"session: {url}/sessions/{{id}}/v1)"
         ),
+        sock,
     )
