@@ -67,25 +67,29 @@ def unexpected_warnings(stderr: str, block: str = "") -> list[str]:
     return [w for w in WARNING_LINE.findall(stderr) if not any(p.search(w) for p in allowed)]
 
 
-def shows_learning(stdout: str) -> str:
-    """The README's SDK example: the warm-up's loss falls and RL's reward rises; what went
-    wrong, or "". About 1 run in 60 (measured over 1 and 2 threads, default and AVX2 kernels)
-    has its tiny model leave the digits for junk tokens within one RL step and never recover,
-    so a failure is run again once before it counts."""
+def shows_its_run(stdout: str) -> str:
+    """The README's SDK example: the warm-up's loss halves (30 steps on one fixed batch; it
+    reaches its floor, ln 10, by step 10 under every kernel set and thread count measured), and
+    each of the 20 RL steps prints a reward in [0, 1], then the final checkpoint's path; what
+    went wrong, or "". That RL lifts the reward is a claim about learning, not one for a single
+    unseeded run: such a claim must hold across seeds and kernel sets (the robustness tier,
+    tests/rl/test_demo_robustness.py)."""
     losses = [float(x) for x in re.findall(r"^warm-up \d+: loss ([\d.]+)", stdout, re.M)]
     rewards = [float(x) for x in re.findall(r"^RL \d+: reward ([\d.]+)", stdout, re.M)]
-    if len(losses) < 2 or len(rewards) < 10:
-        return f"too few numbers printed:\n{stdout}"
+    if len(losses) != 4 or len(rewards) != 20:
+        return f"not the 4 warm-up and 20 RL lines:\n{stdout}"
     if losses[-1] > losses[0] / 2:
         return f"the warm-up's loss did not fall: {losses}"
-    if sum(rewards[-3:]) / 3 < sum(rewards[:3]) / 3 + 0.4:
-        return f"the reward did not rise: {rewards}"
+    if not all(0 <= r <= 1 for r in rewards):
+        return f"a reward outside [0, 1]: {rewards}"
+    if not re.search(r"^tinker://\S+/weights/final$", stdout, re.M):
+        return f"no final checkpoint path:\n{stdout}"
     return ""
 
 
 def checks_for(name: str, block: str) -> list[Callable[[str], str]]:
     """What a block's output must show beyond a clean exit (each returns what is wrong)."""
-    return [shows_learning] if name.startswith("README") and "ServiceClient" in block else []
+    return [shows_its_run] if name.startswith("README") and "ServiceClient" in block else []
 
 
 def test_docs_have_examples() -> None:
@@ -103,13 +107,18 @@ def test_warnings_are_recognised() -> None:
     assert unexpected_warnings(cookbook, "import tinker") == [cookbook]  # only where it is used
 
 
-def test_the_learning_check_reads_the_printed_numbers() -> None:
-    warm = "warm-up 0: loss 6.64 per answer\nwarm-up 29: loss 2.30 per answer\n"
-    rising = "".join(f"RL {i}: reward {i / 20:.2f}  answers 5\n" for i in range(20))
+def test_the_run_check_reads_the_printed_numbers() -> None:
+    warm = "".join(
+        f"warm-up {i}: loss {x} per answer\n"
+        for i, x in ((0, 6.64), (10, 2.31), (20, 2.3), (29, 2.3))
+    )
     flat = "".join(f"RL {i}: reward 0.09  answers 3\n" for i in range(20))
-    assert shows_learning(warm + rising) == ""
-    assert "did not rise" in shows_learning(warm + flat)
-    assert "did not fall" in shows_learning(warm.replace("2.30", "6.60") + rising)
+    path = "tinker://m-1/weights/final\n"
+    assert shows_its_run(warm + flat + path) == ""  # a flat reward is not this check's business
+    assert "did not fall" in shows_its_run(warm.replace("2.3 ", "6.6 ") + flat + path)
+    assert "outside [0, 1]" in shows_its_run(warm + flat.replace("0.09", "1.50", 1) + path)
+    assert "20 RL lines" in shows_its_run(warm + flat[: flat.index("RL 19")] + path)
+    assert "checkpoint path" in shows_its_run(warm + flat)
 
 
 def run_block(block: str, tmp_path: Path, attempt: int) -> subprocess.CompletedProcess:
@@ -130,21 +139,15 @@ def run_block(block: str, tmp_path: Path, attempt: int) -> subprocess.CompletedP
 
 @pytest.mark.parametrize("name,block", BLOCKS, ids=[name for name, _ in BLOCKS])
 def test_docs_example_runs(name: str, block: str, tmp_path: Path) -> None:
-    aborts, wrong = 0, ["not run"]
-    for attempt in range(3):  # a rerun only for a check that allows one (shows_learning)
-        if attempt - aborts == 2:
-            break
+    for attempt in range(3):
         done = run_block(block, tmp_path, attempt)
         # SIGABRT in interpreter finalisation after complete output, with no Python frame on
         # the stack (faulthandler): seen in ~1 of 28 runs of an SDK + tinker_cookbook snippet,
         # not in furlong's code; rerun up to twice
-        if done.returncode == -6 and aborts < 2:
-            aborts += 1
-            continue
-        assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stderr}"
-        warned = unexpected_warnings(done.stderr, block)
-        assert not warned, f"{name} printed warnings its user did not cause:\n{done.stderr}"
-        wrong = [what for check in checks_for(name, block) if (what := check(done.stdout))]
-        if not wrong:
-            return
-    pytest.fail(f"{name}: {wrong}")
+        if done.returncode != -6:
+            break
+    assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stderr}"
+    warned = unexpected_warnings(done.stderr, block)
+    assert not warned, f"{name} printed warnings its user did not cause:\n{done.stderr}"
+    wrong = [what for check in checks_for(name, block) if (what := check(done.stdout))]
+    assert not wrong, f"{name}: {wrong}"

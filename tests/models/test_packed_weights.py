@@ -5,6 +5,8 @@ do not apply or when the weights are offloaded."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,6 +160,9 @@ def test_what_does_not_pack(monkeypatch) -> None:
     monkeypatch.setattr(pw, "fast_bf16", lambda: False)
     assert not pw.can_pack(bf16)  # bf16 without a native bf16 matmul
     monkeypatch.setattr(pw, "fast_bf16", lambda: True)
+    monkeypatch.setattr(pw, "_onednn_bf16", lambda: False)
+    assert not pw.can_pack(bf16)  # the CPU has it, oneDNN is capped below it
+    monkeypatch.setattr(pw, "_onednn_bf16", lambda: True)
     assert pw.can_pack(bf16)
     from peft import LoraConfig, get_peft_model
 
@@ -191,3 +196,15 @@ def test_offload_drops_the_packs_and_memory_counts_them(monkeypatch) -> None:
     assert runner.fast.packed.nbytes == 0 and runner.memory_bytes(None)["weights"] == 0
     runner.onload({"weights"}, None)
     assert torch.equal(_last(runner.fast), before)  # packed again from the same weights
+
+
+def test_onednn_capped_below_bf16_says_so() -> None:
+    """ONEDNN_MAX_CPU_ISA=AVX2 (the AVX2 kernel set's emulation) on a CPU whose flags list
+    AVX-512 BF16: the packed reorder would raise, so oneDNN's own answer rules packing out."""
+    import subprocess
+    import sys
+
+    code = "from furlong.models import packed_weights as pw; print(pw._onednn_bf16())"
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr

@@ -103,7 +103,7 @@ def sft_datum(tokenizer, prompt: str, answer: str) -> types.Datum:
 
 def test_training_moves_the_model_and_state_round_trips(server) -> None:
     service = client(server)
-    training = service.create_lora_training_client(BASE, rank=8).result()
+    training = service.create_lora_training_client(BASE, rank=8, seed=0).result()
     tokenizer = training.get_tokenizer()  # a local directory the client loads offline
     data = [sft_datum(tokenizer, f"What is {i} + 1?", f" {i + 1}<|im_end|>") for i in range(4)]
     adam = types.AdamParams(learning_rate=5e-3)
@@ -133,7 +133,7 @@ def test_training_moves_the_model_and_state_round_trips(server) -> None:
 
 def test_forward_backward_custom(server) -> None:
     service = client(server)
-    training = service.create_lora_training_client(BASE, rank=4).result()
+    training = service.create_lora_training_client(BASE, rank=4, seed=0).result()
     sdk_data, _ = rl_data(3)
 
     def loss_fn(data, logprobs):  # maximise the mean log-prob of the targets

@@ -1,6 +1,7 @@
 """``furlong serve --dtype bfloat16`` through the official SDK: the base model in bf16, LoRA
-adapters and log-probs in fp32; forward equals an in-process bf16 engine, training learns, a
-trained snapshot samples and scores like its trainer; a full fine-tune steps fp32 masters."""
+adapters and log-probs in fp32; forward equals an in-process bf16 engine, training lowers a
+fixed batch's loss, a trained snapshot samples and scores like its trainer; a full fine-tune
+steps fp32 masters."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_forward_equals_an_in_process_bf16_engine(server, loss_fn: str) -> None:
     assert max(gaps) > 0  # the server really ran in bf16
 
 
-def test_lora_training_learns_and_its_snapshot_samples(server) -> None:
+def test_lora_training_lowers_its_batch_loss_and_its_snapshot_samples(server) -> None:
     training = client(server).create_lora_training_client(BASE, rank=8).result()
     tokenizer = training.get_tokenizer()
     data = [sft_datum(tokenizer, f"What is {i} + 1?", f" {i + 1}<|im_end|>") for i in range(4)]

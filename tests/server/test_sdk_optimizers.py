@@ -22,7 +22,9 @@ def test_muon_trains_and_unsupported_optimizers_are_refused(tmp_path) -> None:
             with pytest.raises(Exception, match="optimizer_config.type: '(dimuon|sgd)'"):
                 service.create_lora_training_client(BASE, rank=4, optimizer=config).result()
         muon = OptimizerConfigBase(type="muon")
-        training = service.create_lora_training_client(BASE, rank=4, optimizer=muon).result()
+        training = service.create_lora_training_client(
+            BASE, rank=4, optimizer=muon, seed=0
+        ).result()
         data, _ = rl_data(3)
         adam = types.AdamParams(learning_rate=1e-2)
         losses = []
@@ -30,7 +32,7 @@ def test_muon_trains_and_unsupported_optimizers_are_refused(tmp_path) -> None:
             fb = training.forward_backward(data, "cross_entropy").result()
             losses.append(fb.metrics["loss:sum"])
             training.optim_step(adam).result()
-        assert losses[-1] < losses[0]
+        assert losses[-1] < 0.95 * losses[0]  # measured x0.78-0.86 over kernel sets
         with pytest.raises(Exception, match="optimizer_params.type: 'dimuon'"):
             training.optim_step(types.DimuonParams(learning_rate=1e-2)).result()
 
