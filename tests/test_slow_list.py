@@ -27,6 +27,8 @@ def test_entries_match_modules_functions_and_parameters_only() -> None:
     assert is_slow("tests/server/test_malformed_corpus.py::test_refused_cleanly[fb-x]")
     assert is_slow("tests/test_cli.py::test_demo_smoke")
     assert is_slow("tests/test_docs.py::test_docs_example_runs[docs/scaling.md[python block 0]]")
-    assert not is_slow("tests/test_docs.py::test_docs_example_runs[docs/memory.md[python block 0]]")
+    one = "tests/test_cli_errors.py::test_a_user_error_is_one_line"
+    assert is_slow(f"{one}[flag after overrides]")
+    assert not is_slow(f"{one}[missing config file]")
     assert not is_slow("tests/test_cli.py::test_demo_smoke_other")
     assert not is_slow("tests/train/test_distributed.py::test_rank_split_covers_every_datum_once")
