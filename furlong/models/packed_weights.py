@@ -33,7 +33,7 @@ def can_pack(model: Any) -> bool:
     head = model._modules["lm_head"]  # first, in two lookups: it rules out fp32 and LoRA heads
     if type(head) is not nn.Linear or head.weight.dtype != torch.bfloat16:
         return False
-    if not fast_bf16() or not _onednn_bf16():
+    if not fast_bf16() or not onednn_bf16():
         return False
     linears = _sources(model)
     if not all(type(m) is nn.Linear for m in linears):
@@ -48,7 +48,7 @@ def can_pack(model: Any) -> bool:
     return True
 
 
-def _onednn_bf16() -> bool:
+def onednn_bf16() -> bool:
     """oneDNN's own answer (it honours ``ONEDNN_MAX_CPU_ISA``, which /proc/cpuinfo cannot): a
     CPU whose flags say AVX-512 BF16 may still have oneDNN capped below it, and the reorder
     would then raise. torch's inductor asks the same op."""

@@ -23,8 +23,8 @@ from tests.models.test_fast_forward import GQA, SMALL
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 native_bf16 = pytest.mark.skipif(
-    not (fast_bf16() and torch.backends.mkldnn.is_available()),
-    reason="packing applies on a CPU with native bf16 matmuls (AMX / AVX-512 BF16)",
+    not (fast_bf16() and pw.onednn_bf16()),  # can_pack's own conditions
+    reason="packing applies on a CPU with native bf16 matmuls (AMX / AVX-512 BF16) in oneDNN",
 )
 
 
@@ -160,9 +160,9 @@ def test_what_does_not_pack(monkeypatch) -> None:
     monkeypatch.setattr(pw, "fast_bf16", lambda: False)
     assert not pw.can_pack(bf16)  # bf16 without a native bf16 matmul
     monkeypatch.setattr(pw, "fast_bf16", lambda: True)
-    monkeypatch.setattr(pw, "_onednn_bf16", lambda: False)
+    monkeypatch.setattr(pw, "onednn_bf16", lambda: False)
     assert not pw.can_pack(bf16)  # the CPU has it, oneDNN is capped below it
-    monkeypatch.setattr(pw, "_onednn_bf16", lambda: True)
+    monkeypatch.setattr(pw, "onednn_bf16", lambda: True)
     assert pw.can_pack(bf16)
     from peft import LoraConfig, get_peft_model
 
@@ -204,7 +204,7 @@ def test_onednn_capped_below_bf16_says_so() -> None:
     import subprocess
     import sys
 
-    code = "from furlong.models import packed_weights as pw; print(pw._onednn_bf16())"
+    code = "from furlong.models import packed_weights as pw; print(pw.onednn_bf16())"
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.stdout.strip() == "False", done.stderr
