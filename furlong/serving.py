@@ -82,8 +82,7 @@ async def _disconnect(request: Any) -> None:
 @contextmanager
 def background_server(app: Callable[..., Any], host: str = "127.0.0.1") -> Iterator[str]:
     """Serve ``app`` on a free port; yields the base URL and shuts down afterwards."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((host, 0))  # bound before the server starts: no port race
+    sock = bind(host, 0)  # open before the server starts: no port race
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -94,7 +93,7 @@ def background_server(app: Callable[..., Any], host: str = "127.0.0.1") -> Itera
             raise RuntimeError("server did not start")
         time.sleep(0.01)
     try:
-        yield f"http://{host}:{port}"
+        yield f"http://{where(host, port)}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)
