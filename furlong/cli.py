@@ -199,6 +199,8 @@ def _serve(args: argparse.Namespace) -> int:
         optimizer_state_dir=args.optimizer_state_dir,
         jwt_auth=args.jwt_auth,
         rollout_engine=args.rollout_engine,
+        rollout_urls=args.rollout_url,
+        vllm_python=args.vllm_python,
         **{name: getattr(args, name) for name in BOUNDS},
     )
     return 0
@@ -419,6 +421,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--rollout-engine",
         default="embedded",
         help="the samplers' engine kind (furlong.rollout.registry; default: embedded)",
+    )
+    serve.add_argument(
+        "--rollout-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="--rollout-engine sglang/vllm: a running server's base URL (repeat for several)",
+    )
+    serve.add_argument(
+        "--vllm-python",
+        default="",
+        metavar="PYTHON",
+        help="--rollout-engine vllm: start a vLLM server with this Python ('auto': make vllm-venv's)",
     )
     for name, bound in BOUNDS.items():
         flag = "--" + name.replace("_", "-")

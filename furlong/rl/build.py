@@ -15,7 +15,7 @@ import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -24,7 +24,7 @@ from furlong.models.moe import find_routers
 from furlong.precision import resolve_dtype
 from furlong.rl import resume as resume_mod
 from furlong.rl import scale_out, warmup
-from furlong.rl.config import RLConfig
+from furlong.rl.config import RLConfig, RolloutConfig
 from furlong.rl.critic import build_critic
 from furlong.rl.publish import publish_weights
 from furlong.rl.rollout_choice import build_rollout, rollout_kind
@@ -109,7 +109,10 @@ def build_parts(
         actor = _actor(config, policy, tokenizer, engine_config)  # a fresh optimizer for RL
         adapter = cast("PeftModel", actor.model) if m.lora_rank else None  # see _actor
     kind, staging = rollout_kind(ro.engine, scale), ro.staging_dir or None
-    rollout = build_rollout(kind, ro.urls, policy, tokenizer, batch, staging_dir=staging, ray=ray)
+    vllm = _vllm_options(ro) if kind == "vllm" else None
+    rollout = build_rollout(
+        kind, ro.urls, policy, tokenizer, batch, staging_dir=staging, ray=ray, vllm=vllm
+    )
     reference = _reference(config, policy, engine_config)
     critic = build_critic(config, policy, engine_config)
     if saved is not None:  # the copies above started from the model as loaded
@@ -212,3 +215,13 @@ def _colocation(
         version = saved.weight_version
     colocation.startup(load, functools.partial(publish_weights, actor, rollout, version))
     return colocation
+
+
+def _vllm_options(ro: RolloutConfig) -> dict[str, Any]:
+    """The vLLM kind's own ``rollout.*`` fields, as its options."""
+    threads = ro.vllm_threads or None
+    return {
+        "vllm_python": ro.vllm_python,
+        "vllm_transport": ro.vllm_transport,
+        "vllm_threads": threads,
+    }

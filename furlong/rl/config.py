@@ -101,9 +101,13 @@ class RolloutConfig:
     temperature: float = 1.0  # the trainer scores at the same temperature
     top_p: float = 1.0  # nucleus sampling; < 1 turns sampling-mask replay on
     top_k: int = 0  # 0: off; top_p < 1 or top_k > 0 turns sampling-mask replay on
-    engine: str = "embedded"  # embedded (in process) | sglang (rollout.urls) | ray ([scale] ray)
-    urls: list[str] = field(default_factory=list)  # sglang: the servers' base URLs
-    staging_dir: str = ""  # sglang: a directory the servers read published weights from
+    # embedded (in process) | sglang (rollout.urls) | vllm (urls or vllm_python) | ray ([scale])
+    engine: str = "embedded"
+    urls: list[str] = field(default_factory=list)  # sglang, vllm: the servers' base URLs
+    staging_dir: str = ""  # sglang, vllm: a directory the servers read published weights from
+    vllm_python: str = ""  # vllm: start a server with this Python ("auto": make vllm-venv's)
+    vllm_transport: str = "disk"  # vllm: disk (reload from staging_dir) | nccl (GPU, vLLM's)
+    vllm_threads: int = 0  # vllm, started here: its OpenMP threads (0: vLLM's choice)
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,9 @@ class AlgoConfig:
     grad_clip_norm: float = 1.0  # global-norm clip (0: off)
     minibatches: int = 1  # optimizer steps per rollout batch
     share_prefixes: bool = True  # a group's prompt runs through the trunk once (same math)
+    # rollout correction (rl/rollout_correction.py): weight each token by min(p_train / q_rollout,
+    # tis_cap), the ratio taken against the trainer's log-probs; 0: off (for another engine)
+    tis_cap: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -222,8 +229,10 @@ class RLConfig:
         if not 0.0 <= share < 1.0:
             raise InputError(f"warmup.decoy_share: must be in [0, 1), got {share}")
         self._check_lora()
-        check_choice(self.rollout.engine, self.rollout.urls, self.scale.ray)
-        if self.rollout.engine == "sglang" and self.scale.enabled:
+        check_choice(r.engine, r.urls, self.scale.ray, r.vllm_python, r.vllm_transport)
+        if r.engine == "vllm":
+            self._check_vllm()
+        if self.rollout.engine in ("sglang", "vllm") and self.scale.enabled:
             raise InputError(
                 f"rollout.engine: {self.rollout.engine!r} with [scale]: the scale-out places "
                 "its own engines (use rollout.engine = 'embedded' there)"
@@ -244,6 +253,8 @@ class RLConfig:
         self._check_objective_config()
         if not 0 <= a.gamma <= 1 or not 0 <= a.lam <= 1:
             raise InputError("algo.gamma and algo.lam: must be in [0, 1]")
+        if a.tis_cap < 0 or not math.isfinite(a.tis_cap):
+            raise InputError(f"algo.tis_cap: must be finite and >= 0 (0: off), got {a.tis_cap}")
         if a.kl_coef < 0:
             raise InputError(f"algo.kl_coef: must be >= 0, got {a.kl_coef}")
         if self.critic.warmup_steps and not self.uses_critic:
@@ -276,6 +287,25 @@ class RLConfig:
             alternatives = " or ".join(repr(n) for n in objectives_taking(key))
             raise InputError(f"algo.{knob}: only for algo.objective = {alternatives}")
         OBJECTIVES[a.objective].resolve_config(self.loss_fn_config, "algo.objective_config")
+
+    def _check_vllm(self) -> None:
+        """What vLLM's kind cannot do, said at config time (one line each)."""
+        r = self.rollout
+        if r.top_p < 1.0 or r.top_k > 0:
+            raise InputError(
+                "rollout.top_p / rollout.top_k: truncated sampling needs its kept sets for "
+                "sampling-mask replay, which vLLM's CPU build does not return; use rollout.engine "
+                '= "embedded", or top_p = 1 and top_k = 0'
+            )
+        if self.colocate.enabled:
+            raise InputError(
+                "colocate.enabled: vLLM's CPU worker ignores sleep/wake_up, so rollout.engine = "
+                '"vllm" cannot hand its memory to the trainer; use the embedded engine'
+            )
+        if r.vllm_threads < 0:
+            raise InputError(
+                f"rollout.vllm_threads: must be >= 0 (0: vLLM's), got {r.vllm_threads}"
+            )
 
     def _check_lora(self) -> None:
         m = self.model

@@ -58,10 +58,14 @@ class Episode:
         """``inputs`` hold response-length tensors; prompt positions are zero-filled."""
         return Datum.next_token(self.prompt + self.response, **inputs)
 
-    def actor_datum(self, objective: str, advantages_T: torch.Tensor) -> Datum:
-        """What the actor's ``objective`` reads: the rollout's log-probs and ``advantages_T``
-        on the response, and for a sequence ratio (gspo) the response tokens as its mask."""
-        inputs = {"logprobs": self.logprobs_T, "advantages": advantages_T}
+    def actor_datum(
+        self, objective: str, advantages_T: torch.Tensor, behaviour_T: torch.Tensor | None = None
+    ) -> Datum:
+        """What the actor's ``objective`` reads: the behaviour log-probs (the rollout's, or
+        ``behaviour_T``: the trainer's own under rollout correction) and ``advantages_T`` on
+        the response, and for a sequence ratio (gspo) the response tokens as its mask."""
+        behaviour = self.logprobs_T if behaviour_T is None else behaviour_T
+        inputs = {"logprobs": behaviour, "advantages": advantages_T}
         if "sequence_ratio_mask" in OBJECTIVES[objective].inputs:
             inputs["sequence_ratio_mask"] = torch.ones_like(self.logprobs_T)
         return self.datum(inputs)

@@ -42,6 +42,7 @@ from furlong.rl.config import RLConfig, RunConfig, to_toml
 from furlong.rl.critic import critic_values, train_critic
 from furlong.rl.episodes import Episode, generate_episodes
 from furlong.rl.publish import publish_weights
+from furlong.rl.rollout_correction import truncated_is
 from furlong.rl.scale import ScaleOut
 from furlong.rl.signal_watch import SignalWatch
 from furlong.train.api import Trainer
@@ -378,6 +379,13 @@ def _train_actor(
     algo, ro = config.algo, config.rollout
     adam = AdamParams(learning_rate=algo.learning_rate, grad_clip_norm=algo.grad_clip_norm)
     metrics: dict[str, float] = {"actor_skipped:sum": 0.0}
+    behaviour_T: list[torch.Tensor | None] = [None] * len(episodes)
+    if algo.tis_cap:  # rollout correction: the trainer's own log-probs, and min(p / q, cap)
+        trainer_T = _trainer_logprobs(config, actor, episodes)
+        weights_T, tis = truncated_is(trainer_T, [e.logprobs_T for e in episodes], algo.tis_cap)
+        advantages_T = [a * w for a, w in zip(advantages_T, weights_T, strict=True)]
+        behaviour_T = list(trainer_T)
+        metrics |= tis
     for part, scale in _minibatches(config, episodes):
         if not any(bool(advantages_T[i].any()) for i in part):
             # no learning signal (e.g. every group all right or all wrong): a zero gradient
@@ -386,7 +394,7 @@ def _train_actor(
             continue
         chosen = [episodes[i] for i in part]
         data = [
-            e.actor_datum(algo.objective, advantages_T[i] * s)
+            e.actor_datum(algo.objective, advantages_T[i] * s, behaviour_T[i])
             for i, e, s in zip(part, chosen, scale, strict=True)
         ]
         masks = [e.result.sampling_mask for e in chosen]
@@ -405,6 +413,28 @@ def _train_actor(
         metrics["actor_loss:sum"] = metrics.get("actor_loss:sum", 0.0) + out.metrics["loss:sum"]
         metrics["grad_norm:mean"] = step["grad_norm:mean"]
     return metrics
+
+
+def _trainer_logprobs(
+    config: RLConfig, actor: Trainer, episodes: list[Episode]
+) -> list[torch.Tensor]:
+    """The trainer's log-prob of each sampled response token (no gradient), at the rollout's
+    temperature and over its kept sets, as the objective scores them."""
+    data = [e.datum({"weights": torch.zeros(len(e.response))}) for e in episodes]
+    masks = [e.result.sampling_mask for e in episodes]
+    routes = [e.result.routed_experts for e in episodes]
+    with torch.no_grad():
+        out = actor.forward(
+            data,
+            "cross_entropy",
+            temperature=config.rollout.temperature or 1.0,
+            sampling_masks=masks if any(m is not None for m in masks) else None,
+            routed_experts=routes if any(r is not None for r in routes) else None,
+        )
+    return [
+        o["logprobs"][-len(e.response) :].detach()
+        for e, o in zip(episodes, out.outputs, strict=True)
+    ]
 
 
 def _logprob_diff(episodes: list[Episode], outputs: list[dict[str, torch.Tensor]]) -> float:

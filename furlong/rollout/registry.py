@@ -28,6 +28,7 @@ E = TypeVar("E")
 ENGINES: dict[str, str | type] = {
     "embedded": "furlong.rollout.engine:EmbeddedEngine",
     "sglang": "furlong.rollout.sglang_client:SGLangClient",
+    "vllm": "furlong.rollout.vllm_client:VLLMClient",
     "ray": "furlong.rl.ray_rollout:RayRollout",
 }
 

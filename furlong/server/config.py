@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from furlong.errors import InputError
 from furlong.precision import resolve_dtype
@@ -55,12 +56,19 @@ class ServiceConfig:
     ttl_sweep_interval: float = 60.0  # seconds between sweeps deleting expired checkpoints
     clock: Callable[[], float] = time.time  # wall time for checkpoint TTLs, URLs and JWTs
     rollout_engine: str = "embedded"  # the samplers' engine kind (furlong.rollout.registry)
+    # the kind's options, named as the RL config's rollout.* fields: urls, vllm_python, ...
+    rollout_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, bound in BOUNDS.items():
             if not getattr(self, name) >= bound.least:
                 raise InputError(f"{name}: must be >= {bound.least:g}, got {getattr(self, name)!r}")
         engine_class(self.rollout_engine, SamplingEngine, "rollout_engine")  # before any load
+        if self.rollout_engine == "vllm":
+            from furlong.rollout.vllm_client import check_options
+
+            o = self.rollout_options
+            check_options(o.get("urls") or [], o.get("vllm_python") or "", "disk", "--rollout")
         resolve_dtype(self.dtype)
 
     def training(self) -> TrainingConfig:
@@ -79,6 +87,7 @@ class ServiceConfig:
             sampler_memory_mb=self.sampler_memory_mb,
             sampler_idle_s=self.sampler_idle_s,
             engine=self.rollout_engine,
+            engine_options=dict(self.rollout_options),
         )
 
     def engine(self) -> EngineConfig:

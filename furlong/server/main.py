@@ -70,6 +70,8 @@ def serve(
     optimizer_state_dir: str | None = None,
     jwt_auth: bool = False,
     rollout_engine: str = "embedded",
+    rollout_urls: list[str] | None = None,
+    vllm_python: str = "",
     **bounds: Any,
 ) -> None:
     """``bounds``: ServiceConfig's memory bounds by name (furlong.server.bounds)."""
@@ -111,6 +113,7 @@ def serve(
         optimizer_state_dir=optimizer_state_dir,
         jwt_auth=jwt_auth,
         rollout_engine=rollout_engine,
+        rollout_options=_rollout_options(rollout_urls or [], vllm_python),
         **bounds,
     )
     for source in config.base_models.values():
@@ -182,3 +185,13 @@ def _where_state(state_dir: str) -> str:
     if state_dir == DEFAULT_STATE_DIR:
         where += f" (default: ./{DEFAULT_STATE_DIR}; --state-dir to move it)"
     return where
+
+
+def _rollout_options(urls: list[str], vllm_python: str) -> dict[str, Any]:
+    """The samplers' engine options from ``--rollout-url`` and ``--vllm-python``."""
+    options: dict[str, Any] = {}
+    if urls:
+        options["urls"] = list(urls)
+    if vllm_python:
+        options["vllm_python"] = vllm_python
+    return options

@@ -19,7 +19,8 @@ import shutil
 import threading
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,7 @@ class SamplingConfig:
     sampler_memory_mb: int  # ... within this many MB of snapshot weights
     sampler_idle_s: float  # a snapshot engine unused this long is released (0: never)
     engine: str = "embedded"  # the engines' kind (furlong.rollout.registry)
+    engine_options: Mapping[str, Any] = field(default_factory=dict)  # EngineRequest.options
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,8 @@ class Sampling:
         return self._feeder(*sampling_model(self.pool, path))
 
     def _feeder(self, model: PreTrainedModel, tokenizer: Any) -> FairFeeder:
-        request = EngineRequest(model, tokenizer, max_running=self.config.sampler_slots)
+        slots, options = self.config.sampler_slots, self.config.engine_options
+        request = EngineRequest(model, tokenizer, max_running=slots, options=options)
         return FairFeeder(build_engine(self.config.engine, request, SamplingEngine))
 
     def _engine(self, owner: str, sampler_id: str | None, s: _Sampler) -> Future[FairFeeder]:

