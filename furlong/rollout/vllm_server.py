@@ -16,10 +16,12 @@ vllm.entrypoints.openai.api_server``, the same app.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,9 +56,10 @@ class VLLMServer:
         kv_cache_gb: int = 2,
         threads: int | None = None,
         extra_args: tuple[str, ...] = (),
+        port: int = 0,
     ):
         self.python, self.model_dir = python, model_dir
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="furlong-vllm-", suffix=".log")[1])
         self._args = [
@@ -137,13 +140,63 @@ class VLLMServer:
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def check_model_dir(path: Path) -> Path:
     if not (path / "config.json").is_file():
         raise InputError(f"vLLM model: {path} is not an HF directory (no config.json)")
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m furlong.rollout.vllm_server MODEL``: a server for ``rollout.urls`` (or
+    ``serve --rollout-url``), started as the vLLM kind starts its own: on an untied copy of
+    the model (``vllm_model.tied_head``) with the routes and flags the kind uses."""
+    import argparse
+    import shutil
+
+    parser = argparse.ArgumentParser(
+        prog="python -m furlong.rollout.vllm_server", allow_abbrev=False
+    )
+    parser.add_argument("model", help="a furlong model name or an HF directory")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--python", default="auto", help="vLLM's Python ('auto': make vllm-venv's)")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    from furlong.models.loading import load_model
+    from furlong.rollout.vllm_model import save_model_dir
+    from furlong.rollout.vllm_venv import resolve_python
+
+    try:
+        python = resolve_python(args.python, "--python")
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    model, tokenizer = load_model(args.model)
+    model_dir = Path(tempfile.mkdtemp(prefix="furlong-vllm-model-"))
+    try:
+        save_model_dir(model, tokenizer, model_dir)
+        del model
+        server = VLLMServer(
+            python,
+            model_dir,
+            max_model_len=args.max_model_len,
+            threads=args.threads,
+            port=args.port,
+        )
+        stop = {signal.SIGINT, signal.SIGTERM}
+        server.start()  # then block them: the server's processes must not inherit the mask
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+        print(f"vLLM serving {args.model} at {server.url} (log: {server.log_path})", flush=True)
+        signal.sigwait(stop)
+        server.stop()
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

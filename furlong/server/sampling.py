@@ -18,8 +18,8 @@ import os
 import shutil
 import threading
 import uuid
-from concurrent.futures import Future
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any

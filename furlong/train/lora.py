@@ -226,6 +226,14 @@ def merged_weights(peft_model: PeftModel) -> Mapping[str, torch.Tensor]:
     return _MergedWeights(peft_model.get_base_model())
 
 
+def merged_view_weights(model: torch.nn.Module) -> Mapping[str, torch.Tensor]:
+    """:func:`merged_weights` of a model with peft's LoRA layers in it and no wrapper (what
+    :func:`adapted_view` returns): linear adapters only, merged as they are read."""
+    if any(isinstance(m, LoraLayer) and not isinstance(m, LoraLinear) for m in model.modules()):
+        raise InputError("weights: an adapter on a non-linear layer needs its PeftModel to merge")
+    return _MergedWeights(model)
+
+
 class _MergedWeights(Mapping[str, torch.Tensor]):
     def __init__(self, model: torch.nn.Module):
         self._weights: dict[str, tuple[torch.Tensor, LoraLinear | None]] = {}

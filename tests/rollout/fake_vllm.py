@@ -29,6 +29,7 @@ class FakeVLLM:
     in_flight: int = 0
     bodies: list[dict] = field(default_factory=list)  # generate bodies, in order
     reloads: list[str] = field(default_factory=list)
+    checksums: dict[str, str] = field(default_factory=dict)  # /weight_checker's, by vLLM name
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -97,7 +98,7 @@ class FakeVLLM:
 
         @app.post("/weight_checker")
         async def checker() -> JSONResponse:
-            return JSONResponse({"checksums": {}})
+            return JSONResponse({"checksums": self.checksums})
 
         return app
 

@@ -224,3 +224,23 @@ def test_a_remote_server_needs_a_staging_dir(tiny):
     request = EngineRequest(model, tokenizer, options={"urls": ["http://10.1.2.3:8000"]})
     with pytest.raises(InputError, match="rollout.staging_dir: http://10.1.2.3:8000 is not on"):
         build_engine("vllm", request, RolloutEngine)
+
+
+def test_names_the_server_does_not_serve_are_refused_before_any_reload(fake, tiny, tmp_path):
+    """A reload that meets an unknown name fails half done in vLLM and leaves its model broken
+    (seen: meta tensors, a server that no longer generates), so the names are checked first,
+    through vLLM's fused q/k/v and gate/up names."""
+    from furlong.rollout.vllm_client import vllm_name
+
+    server, url = fake
+    model, _ = tiny
+    served = {vllm_name(n) for n, _ in model.named_parameters()}
+    assert "model.layers.0.self_attn.qkv_proj.weight" in served
+    server.checksums = {f"dp0:pp0:pcp0:tp0:{n}": "0" for n in served}
+    _client(url, tiny, tmp_path).close()  # every name found: accepted
+    served.discard("model.layers.1.mlp.gate_up_proj.weight")
+    server.checksums = {f"dp0:pp0:pcp0:tp0:{n}": "0" for n in served}
+    reloads = len(server.reloads)
+    with pytest.raises(InputError, match=r"serves no parameters named \['model.layers.1.mlp.gate"):
+        _client(url, tiny, tmp_path)
+    assert len(server.reloads) == reloads
