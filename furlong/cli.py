@@ -134,6 +134,32 @@ def _rollout_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--rollout-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="engine sglang/vllm: a running server's base URL (repeat for several)",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default="",
+        metavar="PYTHON",
+        help="engine vllm: start vLLM with this Python ('auto': make vllm-venv's)",
+    )
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--rollout-url`` and ``--vllm-python`` as the engine kind's options."""
+    options: dict[str, Any] = {}
+    if args.rollout_url:
+        options["urls"] = list(args.rollout_url)
+    if args.vllm_python:
+        options["vllm_python"] = args.vllm_python
+    return options
+
+
 def _session_server(args: argparse.Namespace) -> int:
     policy, sock = _rollout_front(args, "session-server")
     from furlong.rollout.sessions.serve import serve
@@ -148,6 +174,7 @@ def _session_server(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         seed=args.seed,
         routing_replay=not args.no_routing_replay,
+        engine_options=_engine_options(args),
         engine=args.engine,
     )
     return 0
@@ -359,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine", default="embedded", help="rollout engine kind (furlong.rollout.registry)"
     )
     sessions.add_argument("--seed", type=int, default=0, help="weights seed for a preset")
+    _engine_flags(sessions)
     _control_flags(sessions, "sessions, records, samples, weights", "POST /weights")
     sessions.set_defaults(func=_session_server)
 
@@ -422,19 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="embedded",
         help="the samplers' engine kind (furlong.rollout.registry; default: embedded)",
     )
-    serve.add_argument(
-        "--rollout-url",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="--rollout-engine sglang/vllm: a running server's base URL (repeat for several)",
-    )
-    serve.add_argument(
-        "--vllm-python",
-        default="",
-        metavar="PYTHON",
-        help="--rollout-engine vllm: start vLLM with this Python ('auto': make vllm-venv's)",
-    )
+    _engine_flags(serve)
     for name, bound in BOUNDS.items():
         flag = "--" + name.replace("_", "-")
         serve.add_argument(flag, type=bound.kind, default=bound.default, help=bound.help)

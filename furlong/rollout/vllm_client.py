@@ -77,16 +77,17 @@ TRANSPORTS = ("disk", "nccl")
 _PAUSE = {"abort": "abort", "in_place": "keep"}
 
 
-def check_options(urls: Sequence[str], python: str, transport: str, field: str = "rollout") -> None:
-    """The kind's own config rules, checked without contacting anything."""
+def check_options(urls: Sequence[str], python: str, transport: str, flags: bool = False) -> None:
+    """The kind's own config rules, checked without contacting anything; errors name the
+    ``rollout.*`` fields, or with ``flags`` the command-line flags."""
+    where = "--rollout-url / --vllm-python" if flags else "rollout.urls / rollout.vllm_python"
     if bool(urls) == bool(python):
         raise InputError(
-            f'{field}.urls / {field}.vllm_python: rollout.engine = "vllm" needs exactly one: the '
-            'URLs of running vLLM servers, or the Python to start one with ("auto": the venv '
-            "`make vllm-venv` builds)"
+            f"{where}: the vLLM engine needs exactly one: the URLs of running vLLM servers, or "
+            'the Python to start one with ("auto": the venv `make vllm-venv` builds)'
         )
     if transport not in TRANSPORTS:
-        raise InputError(f"{field}.vllm_transport: {transport!r} is not one of {list(TRANSPORTS)}")
+        raise InputError(f"rollout.vllm_transport: {transport!r} is not one of {list(TRANSPORTS)}")
 
 
 @dataclass(frozen=True)

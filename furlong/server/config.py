@@ -68,7 +68,7 @@ class ServiceConfig:
             from furlong.rollout.vllm_client import check_options
 
             o = self.rollout_options
-            check_options(o.get("urls") or [], o.get("vllm_python") or "", "disk", "--rollout")
+            check_options(o.get("urls") or [], o.get("vllm_python") or "", "disk", flags=True)
         resolve_dtype(self.dtype)
 
     def training(self) -> TrainingConfig:

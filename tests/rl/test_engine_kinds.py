@@ -85,5 +85,14 @@ def test_a_kind_is_checked_against_the_front_door_before_the_model_loads(tmp_pat
         ServiceConfig({BASE: "tiny-qwen3"}, tmp_path, rollout_engine="ray")
     with pytest.raises(InputError, match=r"--engine: 'ray' cannot serve here: RayRollout lacks"):
         session_serve.build("no-such-model", "abort", engine="ray")
-    with pytest.raises(InputError, match=r"rollout\.engine: 'vllm' is not one of"):
-        load_config(None, ["rollout.engine=vllm"]).validate()
+    with pytest.raises(InputError, match=r"rollout\.engine: 'nope' is not one of"):
+        load_config(None, ["rollout.engine=nope"]).validate()
+    with pytest.raises(InputError, match=r"--rollout-url / --vllm-python: the vLLM engine needs"):
+        ServiceConfig({BASE: "tiny-qwen3"}, tmp_path, rollout_engine="vllm")
+    with pytest.raises(InputError, match=r'--pause-mode: "retract" has no vLLM counterpart'):
+        session_serve.build(
+            "no-such-model",
+            "retract",
+            engine="vllm",
+            engine_options={"urls": ["http://127.0.0.1:1"]},
+        )

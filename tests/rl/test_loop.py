@@ -252,3 +252,16 @@ def test_a_bf16_policy_trains_fp32_masters(tmp_path, short_reward, algo: str) ->
     assert policy.dtype == BF16  # the export keeps the model's precision
     exported = dict(policy.named_parameters())
     assert all(torch.equal(exported[n], w) for n, w in parts.actor.weights().items())
+
+
+def test_rollout_correction_scores_every_step_with_the_trainer(tmp_path, short_reward) -> None:
+    """algo.tis_cap: the trainer's own log-probs of each step's tokens are taken before the
+    actor trains; with the embedded engine in fp32 they are the rollout's (weights ~1, nothing
+    truncated), and the run still trains and publishes."""
+    r = run(tmp_path, "algo.tis_cap=2.0", "run.steps=3", "run.eval_every=3")
+    steps = [row for row in r.rows if row.get("step", 0) > 0]
+    assert len(steps) == 3
+    for row in steps:
+        assert row["tis_logprob_gap:max"] < 1e-4
+        assert abs(row["tis_weight:mean"] - 1.0) < 1e-4 and row["tis_truncated:frac"] == 0.0
+    assert_trained_and_published(r)

@@ -109,6 +109,7 @@ SERVES = {
     "embedded": [RolloutEngine, SessionEngine, SamplingEngine],
     "sglang": [RolloutEngine, SessionEngine],
     "ray": [RolloutEngine],
+    "vllm": [RolloutEngine, SessionEngine, SamplingEngine],
 }
 
 
@@ -140,8 +141,8 @@ def test_every_kind_implements_the_protocols_it_serves(kind: str) -> None:
 def test_the_registry_refuses_a_kind_that_cannot_serve_a_front_door() -> None:
     with pytest.raises(InputError, match=r"--engine: 'ray' cannot serve here: RayRollout lacks"):
         engine_class("ray", SessionEngine, "--engine")
-    with pytest.raises(InputError, match=r"--engine: 'vllm' is not one of \['embedded'"):
-        engine_class("vllm", SessionEngine, "--engine")
+    with pytest.raises(InputError, match=r"--engine: 'nope' is not one of \['embedded'"):
+        engine_class("nope", SessionEngine, "--engine")
 
 
 def closed_port() -> int:
@@ -167,8 +168,8 @@ def test_bad_kinds_and_urls_name_the_field() -> None:
     def build(kind, urls, **kw):
         return build_rollout(kind, urls, policy, tokenizer, batch=2, **kw)
 
-    with pytest.raises(InputError, match=r"rollout\.engine: 'vllm' is not one of"):
-        build("vllm", [])
+    with pytest.raises(InputError, match=r"rollout\.engine: 'nope' is not one of"):
+        build("nope", [])
     with pytest.raises(InputError, match=r'rollout\.engine: "ray" runs the engines as Ray actors'):
         build("ray", [])
     with pytest.raises(InputError, match=r"rollout\.urls: .*needs at least one server URL"):

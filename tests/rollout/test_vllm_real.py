@@ -13,20 +13,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
 from furlong.models.loading import load_model
+from furlong.rollout import vllm_venv
 from furlong.rollout.base import RolloutEngine, SessionEngine
 from furlong.rollout.registry import EngineRequest, build_engine
 from furlong.rollout.sampling import SamplingParams
 from furlong.rollout.vllm_client import VLLMClient
-from furlong.rollout import vllm_venv
 from furlong.rollout.vllm_model import save_model_dir
 from furlong.rollout.vllm_server import VLLMServer
 

@@ -8,6 +8,7 @@ from typing import Any, cast
 
 from fastapi import FastAPI
 
+from furlong.errors import InputError
 from furlong.listen import bind
 from furlong.rollout.base import PauseMode, SessionEngine
 from furlong.rollout.control import ControlPolicy
@@ -25,6 +26,7 @@ def build(
     routing_replay: bool = True,
     policy: ControlPolicy | None = None,
     engine: str = "embedded",
+    engine_options: dict[str, Any] | None = None,
 ) -> FastAPI:
     """The app for ``model`` (a preset name or a local HF directory), served by an engine of
     kind ``engine``. The configuration and the kind are checked before the model loads."""
@@ -36,8 +38,19 @@ def build(
         model_name=model,
     )
     engine_class(engine, SessionEngine, "--engine")
+    options = dict(engine_options or {})
+    if engine == "vllm":
+        from furlong.rollout.vllm_client import check_options
+
+        check_options(
+            options.get("urls") or [], options.get("vllm_python") or "", "disk", flags=True
+        )
+        if pause_mode == "retract":
+            raise InputError(
+                '--pause-mode: "retract" has no vLLM counterpart; use "abort" or "in_place"'
+            )
     net, tokenizer = load_model(model, seed=seed)
-    request = EngineRequest(net, tokenizer, max_running=max_running)
+    request = EngineRequest(net, tokenizer, max_running=max_running, options=options)
     served = build_engine(engine, request, SessionEngine, "--engine")
     return create_app(SessionServer(served, config), policy=policy)
 
