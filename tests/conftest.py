@@ -54,6 +54,7 @@ SLOW = (
     "tests/rl/test_loop.py::test_ppo_with_a_critic_trains_both_and_hands_off",
     "tests/rl/test_loop.py::test_moe_with_top_p_and_kl_replays_masks_and_routes",
     "tests/rl/test_loop.py::test_muon_with_disk_state_and_colocation",
+    "tests/rl/test_loop.py::test_rollout_correction_scores_every_step_with_the_trainer",
     "tests/rl/test_lora_train.py::test_a_lora_run_trains_the_adapter_and_exports_merged_and_adapter",
     "tests/rl/test_lora_train.py::test_an_adapter_exported_after_a_warm_up_loads_on_the_exported_base",
     "tests/rl/test_adapter_base.py",

@@ -658,7 +658,7 @@ def _served_context(urls: list[str], timeout: float) -> list[int]:
 def _digest(tensor: torch.Tensor) -> str:
     """vLLM's checksum of one tensor (``weight_checksum.compute_tensor_digests``)."""
     data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(data).hexdigest()
+    return hashlib.sha256(data.data).hexdigest()
 
 
 def _read_weights(path: Weights) -> dict[str, torch.Tensor]:

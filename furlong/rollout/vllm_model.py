@@ -17,12 +17,11 @@ def served_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 
-    from furlong.train import lora
+    from furlong.models.lora_view import merged_view_weights
 
-    if isinstance(policy, PeftModel):
-        weights = {k: v.detach() for k, v in lora.merged_weights(policy).items()}
-    elif any(isinstance(m, LoraLayer) for m in policy.modules()):  # lora.adapted_view's
-        weights = {k: v.detach() for k, v in lora.merged_view_weights(policy).items()}
+    model: Any = policy.get_base_model() if isinstance(policy, PeftModel) else policy
+    if any(isinstance(m, LoraLayer) for m in model.modules()):  # train.lora.adapted_view's too
+        weights = {k: v.detach() for k, v in merged_view_weights(model).items()}
     else:
         weights = {k: v.detach() for k, v in policy.named_parameters()}
     tied = tied_head(policy)
@@ -41,7 +40,7 @@ def tied_head(policy: Any) -> tuple[str, str] | None:
     each publication sends the head under its own name."""
     from peft import PeftModel
 
-    model = policy.get_base_model() if isinstance(policy, PeftModel) else policy
+    model: Any = policy.get_base_model() if isinstance(policy, PeftModel) else policy
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     if head is None or head.weight is not embed.weight:
         return None
@@ -55,7 +54,7 @@ def save_model_dir(policy: Any, tokenizer: Any, out: Path) -> Path:
 
     from furlong.models.loading import no_hf_bars
 
-    model = policy.get_base_model() if isinstance(policy, PeftModel) else policy
+    model: Any = policy.get_base_model() if isinstance(policy, PeftModel) else policy
     config = copy.deepcopy(model.config)
     if tied_head(policy) is not None:  # see tied_head: the server's head gets its own tensor
         config.tie_word_embeddings = False

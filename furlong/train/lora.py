@@ -17,7 +17,7 @@ import hashlib
 import itertools
 import re
 import warnings
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig, PreTrainedModel
 
 from furlong.errors import InputError
+from furlong.models.lora_view import MergedWeights, adapted
 from furlong.train import checkpoint as ckpt
 
 ALPHA = 32
@@ -223,52 +224,7 @@ def merged_weights(peft_model: PeftModel) -> Mapping[str, torch.Tensor]:
         isinstance(m, LoraLayer) and not isinstance(m, LoraLinear) for m in peft_model.modules()
     ):
         return {n: p.detach() for n, p in merged_model(peft_model).named_parameters()}
-    return _MergedWeights(peft_model.get_base_model())
-
-
-def merged_view_weights(model: torch.nn.Module) -> Mapping[str, torch.Tensor]:
-    """:func:`merged_weights` of a model with peft's LoRA layers in it and no wrapper (what
-    :func:`adapted_view` returns): linear adapters only, merged as they are read."""
-    if any(isinstance(m, LoraLayer) and not isinstance(m, LoraLinear) for m in model.modules()):
-        raise InputError("weights: an adapter on a non-linear layer needs its PeftModel to merge")
-    return _MergedWeights(model)
-
-
-class _MergedWeights(Mapping[str, torch.Tensor]):
-    def __init__(self, model: torch.nn.Module):
-        self._weights: dict[str, tuple[torch.Tensor, LoraLinear | None]] = {}
-        layers = {path: m for path, m in model.named_modules() if isinstance(m, LoraLinear)}
-        adapted = {id(m.base_layer.weight) for m in layers.values() if _adapted(m)}
-        seen: set[int] = set()
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if ".lora_" in name:
-                continue
-            path, _, leaf = name.rpartition(".")
-            layer = layers.get(path.removesuffix(".base_layer"))
-            clean = name.replace(".base_layer.", ".")
-            # a tied weight is one parameter, unless an adapter is on one of its layers: then
-            # merge unties it and each name has its own (see untie_for_merge)
-            if id(p) in seen and id(p) not in adapted:
-                continue
-            seen.add(id(p))
-            merges = layer is not None and leaf == "weight" and _adapted(layer)
-            self._weights[clean] = (p.detach(), layer if merges else None)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        weight, layer = self._weights[name]
-        if layer is None:
-            return weight
-        with torch.no_grad():
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A:
-                    weight = weight + layer.get_delta_weight(adapter)
-        return weight
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._weights)
-
-    def __len__(self) -> int:
-        return len(self._weights)
+    return MergedWeights(peft_model.get_base_model())
 
 
 def merge(model: PeftModel) -> PreTrainedModel:
@@ -288,7 +244,7 @@ def untie_for_merge(model: PeftModel) -> bool:
     versa). Otherwise they stay tied (no copy). Call it on a copy: it replaces a parameter."""
     base = cast(PreTrainedModel, model.get_base_model())  # peft annotates an nn.Module
     inputs, head = base.get_input_embeddings(), base.get_output_embeddings()
-    if inputs is None or head is None or not (_adapted(inputs) or _adapted(head)):
+    if inputs is None or head is None or not (adapted(inputs) or adapted(head)):
         return False
     return _untie(_base_layer(inputs), _base_layer(head), base.config, requires_grad=False)
 
@@ -320,11 +276,3 @@ def _untie(
 
 def _base_layer(module: torch.nn.Module) -> torch.nn.Module:
     return module.get_base_layer() if isinstance(module, LoraLayer) else module
-
-
-def _adapted(module: torch.nn.Module) -> bool:
-    """A LoRA layer holding weights of an active adapter (what ``merge_and_unload`` merges)."""
-    if not isinstance(module, LoraLayer):
-        return False
-    held = set(module.lora_A) | set(module.lora_embedding_A)
-    return bool(held & set(module.active_adapters))
