@@ -14,7 +14,10 @@ recomputation not counted), with the ceiling this workload's batch schedule allo
 the run were its GEMMs alone (each step's projections and head at the step's batch size, timed
 in isolation) and nothing else.
 
-Run: ``.venv/bin/python benchmarks/rollout_throughput.py [--model small-qwen3]``
+With ``--vllm auto`` the same run ends with vLLM's tokens/s beside the embedded engine's on
+SmolLM2-135M (batch 32 and 64, 64 new tokens; benchmarks/vllm_rollout.py).
+
+Run: ``.venv/bin/python benchmarks/rollout_throughput.py [--model small-qwen3] [--vllm auto]``
 """
 
 from __future__ import annotations
@@ -137,6 +140,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vllm",
+        metavar="PYTHON",
+        help="also vLLM beside the embedded engine on SmolLM2-135M, batch 32 and 64, 64 new "
+        "tokens (benchmarks/vllm_rollout.py; 'auto': make vllm-venv's Python)",
+    )
     args = parser.parse_args()
     model, tokenizer = load_model(args.model)
     model.eval()
@@ -178,6 +187,11 @@ def main() -> None:
     for target, issue in ((1.5, 3), (2.5, 27)):
         verdict = "PASS" if ratio >= target else "FAIL"
         print(f"{verdict}: median ratio {ratio:.2f} (target of issue {issue}: >= {target})")
+    if args.vllm:
+        from vllm_rollout import compare
+
+        print("\nvLLM beside the embedded engine (issue 42):")
+        compare(args.vllm, "smollm2-135m", [32, 64], 64, args.repeats, threads=1)
 
 
 if __name__ == "__main__":
