@@ -107,28 +107,31 @@ def compare(
                 theirs = tokens_per_s(vllm, batch, new_tokens, r + 1)
                 rounds.append((ours, theirs))
                 print(
-                    f"  batch {n:3d} round {r + 1}: embedded {ours:7.1f} tok/s  vLLM {theirs:7.1f} tok/s  ratio {ours / theirs:.2f}"
+                    f"  batch {n:3d} round {r + 1}: embedded {ours:7.1f} tok/s  "
+                    f"vLLM {theirs:7.1f} tok/s  ratio {ours / theirs:.2f}"
                 )
             ratio = statistics.median(o / t for o, t in rounds)
             med = statistics.median(o for o, _ in rounds), statistics.median(t for _, t in rounds)
             print(
-                f"batch {n}: embedded {med[0]:.1f} tok/s, vLLM {med[1]:.1f} tok/s, median ratio {ratio:.2f} (embedded / vLLM)"
+                f"batch {n}: embedded {med[0]:.1f} tok/s, vLLM {med[1]:.1f} tok/s, "
+                f"median ratio {ratio:.2f} (embedded / vLLM)"
             )
         weights = {k: v.detach() for k, v in model.named_parameters()}
+        whole = []
         for version in range(1, 6):
+            tick = time.perf_counter()
             vllm.update_weights(weights, version)
-        syncs = vllm.sync_seconds[1:]  # the publications of this run (0: at the build)
-        tick = time.perf_counter()
-        vllm.update_weights(weights, 6)
-        whole = time.perf_counter() - tick
+            whole.append(time.perf_counter() - tick)
+        reloads = vllm.sync_seconds[1:]  # this run's publications (the first: at the build)
         print(
-            f"weight sync ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, fp32): "
-            f"reload {statistics.median(syncs):.2f} s median of {len(syncs)}, whole "
-            f"update_weights {whole:.2f} s (write to {vllm._fleet._staging.parent} included)"
+            f"weight sync ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, fp32, "
+            f"staged in {vllm.staging_dir}): pause + reload + resume "
+            f"{statistics.median(reloads):.2f} s, whole update_weights (copy, write included) "
+            f"{statistics.median(whole):.2f} s, medians of {len(whole)}"
         )
         high, mean, n = logprob_gap(model, vllm, tokenizer)
         print(
-            f"log-prob gap, trainer fp32 vs vLLM over {n} sampled tokens: max {high:.2e}, mean {mean:.2e}"
+            f"log-prob gap, trainer fp32 vs vLLM, {n} tokens: max {high:.2e}, mean {mean:.2e}"
         )
     finally:
         vllm.close()

@@ -193,6 +193,11 @@ class VLLMClient:
     def urls(self) -> list[str]:
         return self._fleet.urls
 
+    @property
+    def staging_dir(self) -> Path:
+        """Where published weights are written for the servers to read."""
+        return self._fleet.staging
+
     # ---------------------------------------------------------------- generation
 
     def generate(
@@ -392,7 +397,7 @@ class _Fleet:
     ):
         self.urls, self._servers = urls, servers
         self._http = [httpx.Client(base_url=u, timeout=timeout) for u in urls]
-        self._staging, self._owns_staging = staging, not staging.exists()
+        self.staging, self._owns_staging = staging, not staging.exists()
         staging.mkdir(parents=True, exist_ok=True)
         self.context_length = context_length
         self._cond = threading.Condition()
@@ -508,7 +513,7 @@ class _Fleet:
 
     def write(self, weights: Mapping[str, torch.Tensor]) -> Path:
         """The weights as one safetensors file in a fresh directory under the staging root."""
-        path = Path(tempfile.mkdtemp(prefix="weights-", dir=_mkdir(self._staging)))
+        path = Path(tempfile.mkdtemp(prefix="weights-", dir=_mkdir(self.staging)))
         try:
             save_file(dict(weights), str(path / "model.safetensors"))
         except BaseException:
@@ -585,7 +590,7 @@ class _Fleet:
         for server in self._servers:
             server.stop()
         if self._owns_staging:
-            shutil.rmtree(self._staging, ignore_errors=True)
+            shutil.rmtree(self.staging, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- helpers
