@@ -130,9 +130,7 @@ def compare(
             f"{statistics.median(whole):.2f} s, medians of {len(whole)}"
         )
         high, mean, n = logprob_gap(model, vllm, tokenizer)
-        print(
-            f"log-prob gap, trainer fp32 vs vLLM, {n} tokens: max {high:.2e}, mean {mean:.2e}"
-        )
+        print(f"log-prob gap, trainer fp32 vs vLLM, {n} tokens: max {high:.2e}, mean {mean:.2e}")
     finally:
         vllm.close()
 

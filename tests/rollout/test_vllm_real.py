@@ -265,12 +265,15 @@ def test_vllms_own_classes_take_the_nccl_transports_requests(vllm_url):
     }
     init = vllm_nccl.init_info("127.0.0.1", 29555, 1)
     update = vllm_nccl.update_info(weights)
-    script = (
-        "import json, sys\n"
-        "from dataclasses import asdict\n"
-        "from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLWeightTransferUpdateInfo\n"
-        "init, update = json.loads(sys.argv[1]), json.loads(sys.argv[2])\n"
-        "print(json.dumps([asdict(NCCLTrainerInitInfo(**init)), asdict(NCCLWeightTransferUpdateInfo(**update))]))\n"
+    script = "\n".join(
+        [
+            "import json, sys",
+            "from dataclasses import asdict",
+            "from vllm.distributed.weight_transfer import nccl_engine as e",
+            "init, update = json.loads(sys.argv[1]), json.loads(sys.argv[2])",
+            "got = [e.NCCLTrainerInitInfo(**init), e.NCCLWeightTransferUpdateInfo(**update)]",
+            "print(json.dumps([asdict(g) for g in got]))",
+        ]
     )
     python = str(vllm_venv.venv_python())
     out = subprocess.run(
