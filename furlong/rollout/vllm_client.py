@@ -72,6 +72,8 @@ if TYPE_CHECKING:
     from furlong.rollout.vllm_server import VLLMServer
 
 TRANSPORTS = ("disk", "nccl")
+SHM = Path("/dev/shm")  # the default staging root: memory, readable by local servers
+STAGING_PREFIX = "furlong-vllm-"  # + pid: a fleet's directory under the staging root
 # furlong's pause modes as vLLM's: "retract" (requeue and recompute under the new weights)
 # has no vLLM counterpart, and "wait" (finish under the old ones) is what publication uses
 _PAUSE = {"abort": "abort", "in_place": "keep"}
@@ -397,8 +399,7 @@ class _Fleet:
     ):
         self.urls, self._servers = urls, servers
         self._http = [httpx.Client(base_url=u, timeout=timeout) for u in urls]
-        self.staging, self._owns_staging = staging, not staging.exists()
-        staging.mkdir(parents=True, exist_ok=True)
+        self.staging = staging  # this fleet's own directory (_staging), removed at release
         self.context_length = context_length
         self._cond = threading.Condition()
         self._holder: VLLMClient | None = None  # whose weights the servers hold
@@ -589,8 +590,7 @@ class _Fleet:
             http.close()
         for server in self._servers:
             server.stop()
-        if self._owns_staging:
-            shutil.rmtree(self.staging, ignore_errors=True)
+        shutil.rmtree(self.staging, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- helpers
@@ -629,17 +629,39 @@ def _refuse_moe(policy: Any) -> None:
 
 
 def _staging(staging_dir: str | os.PathLike | None, urls: list[str]) -> Path:
+    """A directory of this fleet's own under ``staging_dir`` (default: ``/dev/shm``, memory,
+    for servers on this host), named by this process's id. Under the default root, the
+    directories of processes that died without removing theirs (a kill -9) are removed first:
+    each held a model's weights in memory."""
     if staging_dir:
-        return Path(staging_dir)
-    remote = [u for u in urls if httpx.URL(u).host not in ("127.0.0.1", "localhost", "::1")]
-    if remote:
-        raise InputError(
-            f"rollout.staging_dir: {remote[0]} is not on this host; give a directory both "
-            "this process and the servers can read (published weights go through it)"
-        )
-    shm = Path("/dev/shm")
-    root = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return root / f"furlong-vllm-{os.getpid()}-{threading.get_ident()}"
+        root = Path(staging_dir)
+    else:
+        remote = [u for u in urls if httpx.URL(u).host not in ("127.0.0.1", "localhost", "::1")]
+        if remote:
+            raise InputError(
+                f"rollout.staging_dir: {remote[0]} is not on this host; give a directory both "
+                "this process and the servers can read (published weights go through it)"
+            )
+        root = SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"rollout.staging_dir: cannot create {root} ({e.strerror})") from None
+    for old in [] if staging_dir else root.glob(f"{STAGING_PREFIX}*"):  # local roots only: a
+        pid = old.name.removeprefix(STAGING_PREFIX).partition("-")[0]  # shared one spans hosts
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}-", dir=root))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def _mkdir(path: Path) -> Path:

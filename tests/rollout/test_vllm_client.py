@@ -4,6 +4,7 @@ clients on one server, and refusals. test_vllm_real.py runs it against real vLLM
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -244,3 +245,28 @@ def test_names_the_server_does_not_serve_are_refused_before_any_reload(fake, tin
     with pytest.raises(InputError, match=r"serves no parameters named \['model.layers.1.mlp.gate"):
         _client(url, tiny, tmp_path)
     assert len(server.reloads) == reloads
+
+
+def test_staging_is_the_fleets_own_and_a_dead_processs_is_swept(fake, tiny, tmp_path, monkeypatch):
+    from furlong.rollout import vllm_client
+
+    _, url = fake
+    root = tmp_path / "shm"
+    root.mkdir()
+    dead = root / f"{vllm_client.STAGING_PREFIX}999999999-abc"  # no such process
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"x" * 64)
+    live = root / f"{vllm_client.STAGING_PREFIX}{os.getpid()}-other"  # this process's: kept
+    live.mkdir()
+    monkeypatch.setattr(vllm_client, "SHM", root)
+    model, tokenizer = tiny
+    request = EngineRequest(model, tokenizer, options={"urls": [url]})
+    client = build_engine("vllm", request, RolloutEngine)
+    assert not dead.exists() and live.exists()
+    ours = client.staging_dir
+    assert ours.parent == root and ours.name.startswith(
+        f"{vllm_client.STAGING_PREFIX}{os.getpid()}-"
+    )
+    assert len(list(ours.glob("weights-*/model.safetensors"))) == 1  # the last publication only
+    client.close()
+    assert not ours.exists() and live.exists()
