@@ -34,6 +34,14 @@ def tiny():
     return build_preset("tiny-qwen3", seed=0)
 
 
+def running(server: FakeVLLM, timeout: float = 10.0) -> None:
+    """Until the server is generating a request."""
+    deadline = time.monotonic() + timeout
+    while not server.in_flight:
+        assert time.monotonic() < deadline, "no request reached the server"
+        time.sleep(0.005)
+
+
 def _client(url: str, tiny, tmp_path, need: type = RolloutEngine, **options) -> VLLMClient:
     model, tokenizer = tiny
     options = {"urls": [url], "staging_dir": str(tmp_path / "staging"), **options}
@@ -92,7 +100,8 @@ def test_an_abort_reaches_the_request_by_vllms_id(fake, tiny, tmp_path):
     server.token_delay = 0.05
     with _client(url, tiny, tmp_path, SessionEngine) as client:
         future = client.submit([3], SamplingParams(max_tokens=200, stop_token_ids=()), "long")
-        time.sleep(0.3)
+        running(server)
+        time.sleep(0.1)  # a few tokens in
         assert client.abort(["long"]) == 1
         result = future.result(timeout=10)
         assert result.finish_reason == "abort" and 0 < len(result.output_ids) < 200
@@ -106,14 +115,14 @@ def test_a_publication_waits_for_requests_in_flight(fake, tiny, tmp_path):
     model, _ = tiny
     server.token_delay = 0.02
     with _client(url, tiny, tmp_path) as client:
-        running = client._pool.submit(
+        first = client._pool.submit(
             client.generate, [[7]], SamplingParams(max_tokens=20, stop_token_ids=())
         )
-        time.sleep(0.1)
+        running(server)
         weights = {n: p.detach() * 0.5 for n, p in model.named_parameters()}
         client.update_weights(weights, 1)
-        assert running.result(timeout=10)[0].weight_version == 0
-        assert len(running.result()[0].output_ids) == 20
+        assert first.result(timeout=10)[0].weight_version == 0
+        assert len(first.result()[0].output_ids) == 20
         assert client.generate([[7]], SamplingParams(max_tokens=2))[0].weight_version == 1
 
 

@@ -154,14 +154,14 @@ def test_requests_running_at_a_publication_finish_under_the_old_weights(vllm_url
     with _client(vllm_url, smollm, SessionEngine) as client:
         prompts = _prompts(tokenizer, 4)
         futures = [
-            client.submit(p, SamplingParams(max_tokens=120, seed=i, stop_token_ids=()))
+            client.submit(p, SamplingParams(max_tokens=200, seed=i, stop_token_ids=()))
             for i, p in enumerate(prompts)
         ]
-        time.sleep(1.0)
+        time.sleep(3.0)  # all four running (vLLM starts a request within milliseconds)
         new = {n: p.detach() * 1.01 for n, p in model.named_parameters()}
         client.update_weights(new, 1)
         results = [f.result(timeout=120) for f in futures]
-        assert all(len(r.output_ids) == 120 and r.weight_version == 0 for r in results)
+        assert all(len(r.output_ids) == 200 and r.weight_version == 0 for r in results)
         later = client.submit(prompts[0], SamplingParams(max_tokens=4)).result(timeout=60)
         assert later.weight_version == 1
 
