@@ -2,8 +2,8 @@
 
 It names where furlong was imported from (an installed wheel or a checkout), the versions of
 the libraries it runs on, which extras are installed, the CPU kernel set ATen and the
-precision code see, and whether furlong's fused CPU kernels built on this machine (or why
-not: a fallback is otherwise silent)."""
+precision code see, whether furlong's fused CPU kernels built on this machine (or why not: a
+fallback is otherwise silent), and whether the vLLM engine's venv is there."""
 
 from __future__ import annotations
 
@@ -40,7 +40,20 @@ def collect() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "fused_kernels": "built" if kernels is not None else "unavailable",
         "fused_kernels_detail": detail,
+        "vllm": _vllm(),
     }
+
+
+def _vllm() -> str:
+    """Whether ``rollout.vllm_python = "auto"`` finds a venv, and whether vLLM can run here."""
+    from furlong.rollout import vllm_venv
+
+    why = vllm_venv.cpu_support()
+    if why:
+        return f"cannot run here: {why}"
+    if vllm_venv.is_built():
+        return f"{vllm_venv.VLLM} at {vllm_venv.default_venv()}"
+    return f"no venv at {vllm_venv.default_venv()} (make vllm-venv)"
 
 
 def _version(distribution: str) -> str | None:
@@ -63,5 +76,6 @@ def render(report: dict[str, Any], as_json: bool = False) -> str:
         ("cpu", f"ATen kernels {report['cpu_capability']}; bf16: {report['bf16']}"),
         ("threads", str(report["threads"])),
         ("fused kernels", f"{report['fused_kernels']}: {report['fused_kernels_detail']}"),
+        ("vllm", report["vllm"]),
     ]
     return "\n".join(f"{name:<15}{value}" for name, value in rows)
