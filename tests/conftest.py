@@ -33,6 +33,7 @@ SLOW = (
     "tests/rl/test_demo_robustness.py::test_a_short_budget_lifts_held_out_accuracy_under_every_rounding",
     "tests/rl/test_ray.py",  # also carries @pytest.mark.slow
     "tests/rollout/test_vllm_real.py",  # a real vLLM server (its venv built on first use)
+    "tests/rollout/test_vllm_server.py",  # process groups
     "tests/rl/test_resume.py",
     "tests/rl/test_scale_out.py::test_train_with_two_trainer_ranks",
     "tests/server/test_multirank_pool.py",

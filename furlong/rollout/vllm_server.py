@@ -34,7 +34,41 @@ from furlong.errors import InputError
 # with a CUDA-only call ("CPU Generator does not use offset"), and the engine dies: prefills
 # are never split (each step's token budget holds a whole prompt of max_model_len).
 SCHEDULING = ("--no-enable-chunked-prefill",)
-READY_TIMEOUT_S = 600.0  # first start compiles the model (~45 s for SmolLM2-135M, cached after)
+READY_TIMEOUT_S = 600.0
+STOP_GRACE_S = 20.0
+# The server runs under this watchdog (stdlib, in vLLM's Python), its process-group leader: it
+# stops the server when furlong's process is gone, however it went (a kill -9, the OOM killer),
+# so a server never outlives its owner holding gigabytes; and on SIGTERM (stop()) it lets
+# vLLM shut down for a grace period before it kills the group, itself included.
+WATCHDOG = """
+import os, signal, subprocess, sys, time
+owner, grace, stopping = int(sys.argv[1]), float(sys.argv[2]), []
+for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: stopping.append(1))
+server = subprocess.Popen(sys.argv[3:])
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+while server.poll() is None and not stopping and alive(owner):
+    time.sleep(0.5)
+if server.poll() is None:
+    server.terminate()
+    try:
+        server.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+code = server.poll()
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if code is not None:  # the engine's processes may outlive the API server
+    os.killpg(0, signal.SIGTERM)
+    time.sleep(0.5)
+os.killpg(0, signal.SIGKILL)
+"""  # first start compiles the model (~45 s for SmolLM2-135M, cached after)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -63,6 +97,7 @@ class VLLMServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="furlong-vllm-", suffix=".log")[1])
         self._args = [
+            str(python), "-c", WATCHDOG, str(os.getpid()), str(STOP_GRACE_S),
             str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--served-model-name", "furlong",
             "--host", "127.0.0.1", "--port", str(self.port),
@@ -124,19 +159,17 @@ class VLLMServer:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    def stop(self, grace: float = 20.0) -> None:
+    def stop(self) -> None:
+        """The watchdog stops the server (a grace period, then the whole group)."""
         process, self._process = self._process, None
         if process is None:
             return
         atexit.unregister(self.stop)
         if process.poll() is None:
-            _signal_group(process.pid, signal.SIGTERM)
-            try:
-                process.wait(grace)
-            except subprocess.TimeoutExpired:
-                _signal_group(process.pid, signal.SIGKILL)
-                process.wait()
-        _signal_group(process.pid, signal.SIGKILL)  # workers that outlived the API process
+            process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(STOP_GRACE_S + 10)
+        _signal_group(process.pid, signal.SIGKILL)  # what is left, if the watchdog is stuck
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
