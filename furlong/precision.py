@@ -20,14 +20,20 @@ FAST_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of a native
 
 
 @functools.cache
-def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...] | None:
-    """This CPU's native bf16 matmul flags (empty: none); None where cpuinfo is unreadable."""
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The instruction-set flags of this CPU's ``flags`` line; None where cpuinfo is
+    unreadable."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
         return None
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), "").split()
-    return tuple(f for f in FAST_BF16_FLAGS if f in flags)
+    return frozenset(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+
+
+def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...] | None:
+    """This CPU's native bf16 matmul flags (empty: none); None where cpuinfo is unreadable."""
+    flags = cpu_flags(cpuinfo)
+    return None if flags is None else tuple(f for f in FAST_BF16_FLAGS if f in flags)
 
 
 def fast_bf16(device: str = "cpu") -> bool:

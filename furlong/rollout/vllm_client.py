@@ -34,10 +34,11 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,7 @@ from furlong.rollout.base import (
     expand_params,
     no_memory,
 )
+from furlong.rollout.model_runner import read_weights
 from furlong.rollout.registry import EngineRequest
 from furlong.rollout.sampling import SamplingParams
 from furlong.rollout.vllm_model import architecture, save_model_dir, served_weights, tied_head
@@ -247,8 +249,7 @@ class VLLMClient:
     def _send(
         self, index: int, prompt: list[int], params: SamplingParams, request_id: str | None
     ) -> Future[GenerateResult]:
-        rid = request_id if request_id is not None else None
-        return self._pool.submit(self._generate_one, index, prompt, params, rid)
+        return self._pool.submit(self._generate_one, index, prompt, params, request_id)
 
     def _generate_one(
         self, index: int, prompt: list[int], params: SamplingParams, request_id: str | None
@@ -268,7 +269,7 @@ class VLLMClient:
                         self._placed.pop(request_id, None)
         result = wire.generate_result(reply, prompt, params, request_id or index)
         if result.weight_version < 0:  # aborted before its first token: no span to read
-            result = _with_version(result, self._version)
+            result = replace(result, weight_version=self._version)
         return result
 
     # ---------------------------------------------------------------- weights
@@ -283,7 +284,7 @@ class VLLMClient:
     def update_weights(self, weights: Weights, version: int | None = None) -> int:
         """Publish to every server (tensors, or a safetensors file / directory of them) as
         ``version`` (default: the next); returns it. Weights not named keep their values."""
-        new = _read_weights(weights) if not isinstance(weights, Mapping) else weights
+        new = read_weights(weights)
         self.check_weights(new)
         for name, tensor in new.items():
             self._weights[name].copy_(tensor.detach())
@@ -406,6 +407,7 @@ class _Fleet:
         self._in_flight = 0
         self._users = 0
         self._key: tuple = ()
+        self._served_names: list[set[str]] | None = None  # per server, asked once
 
     @classmethod
     def connect(
@@ -525,8 +527,6 @@ class _Fleet:
     def load(self, client: VLLMClient, path: Path, version: int) -> float:
         """``client``'s weights at ``path`` onto every server as ``version``: requests in
         flight finish first (under the old weights), then the reload; seconds it took."""
-        import time
-
         with self._cond:
             while self._in_flight:
                 self._cond.wait()
@@ -548,10 +548,11 @@ class _Fleet:
         """Every tensor a publication sends names a parameter each server has (vLLM's names
         fuse q/k/v and gate/up): a reload that meets an unknown name fails half done and
         leaves the server's model broken, so it is refused here first. A tied policy needs
-        servers that serve its head as a tensor of its own (:func:`tied_head`)."""
-        for i in range(len(self.urls)):
-            got = self.post(i, "/weight_checker", {"action": "checksum"}, "check_served")
-            served = {k.split(":")[-1] for k in got["checksums"]}
+        servers that serve its head as a tensor of its own (:func:`tied_head`). The names are
+        asked once per fleet (a reload never changes them)."""
+        if self._served_names is None:
+            self._served_names = [set(self.checksums(i)) for i in range(len(self.urls))]
+        for i, served in enumerate(self._served_names):
             if not served:  # a server that reports no parameters: nothing to compare
                 continue
             unknown = sorted(n for n in weights if vllm_name(n) not in served)
@@ -567,9 +568,13 @@ class _Fleet:
                     f"({len(unknown)} in all): a different model"
                 )
 
+    def checksums(self, server: int) -> dict[str, str]:
+        """vLLM's sha256 of each parameter of one server, by vLLM's parameter name."""
+        got = self.post(server, "/weight_checker", {"action": "checksum"}, "check_served")
+        return {k.split(":")[-1]: v for k, v in got["checksums"].items()}
+
     def check_served(self, weights: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        got = self.post(0, "/weight_checker", {"action": "checksum"}, "check_served")["checksums"]
-        served = {k.split(":")[-1]: v for k, v in got.items()}
+        served = self.checksums(0)
         empty = hashlib.sha256(b"").hexdigest()
         compared = sorted(n for n, d in served.items() if d != empty and n in weights)
         mismatched = [n for n in compared if _digest(weights[n]) != served[n]]
@@ -686,25 +691,6 @@ def _digest(tensor: torch.Tensor) -> str:
     """vLLM's checksum of one tensor (``weight_checksum.compute_tensor_digests``)."""
     data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
     return hashlib.sha256(data.data).hexdigest()
-
-
-def _read_weights(path: Weights) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    p = Path(path)  # type: ignore[arg-type]
-    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-    if not files or not all(f.is_file() for f in files):
-        raise InputError(f"update_weights: {p} holds no safetensors file")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
-
-
-def _with_version(result: GenerateResult, version: int) -> GenerateResult:
-    from dataclasses import replace
-
-    return replace(result, weight_version=version)
 
 
 def _message(response: httpx.Response) -> str:

