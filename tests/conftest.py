@@ -34,6 +34,7 @@ SLOW = (
     "tests/rl/test_ray.py",  # also carries @pytest.mark.slow
     "tests/rollout/test_vllm_real.py",  # a real vLLM server (its venv built on first use)
     "tests/rollout/test_vllm_server.py",  # process groups
+    "tests/rollout/test_vllm_client.py::test_a_fleet_never_released_leaves_no_staging_at_exit",
     "tests/rl/test_resume.py",
     "tests/rl/test_scale_out.py::test_train_with_two_trainer_ranks",
     "tests/server/test_multirank_pool.py",

@@ -28,6 +28,7 @@ for the requests in flight to finish, then loads its own (:class:`_Fleet`).
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import math
 import os
@@ -401,6 +402,7 @@ class _Fleet:
         self.urls, self._servers = urls, servers
         self._http = [httpx.Client(base_url=u, timeout=timeout) for u in urls]
         self.staging = staging  # this fleet's own directory (_staging), removed at release
+        atexit.register(self._remove_staging)  # or at exit: a front door may never release
         self.context_length = context_length
         self._cond = threading.Condition()
         self._holder: VLLMClient | None = None  # whose weights the servers hold
@@ -595,6 +597,10 @@ class _Fleet:
             http.close()
         for server in self._servers:
             server.stop()
+        atexit.unregister(self._remove_staging)
+        self._remove_staging()
+
+    def _remove_staging(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
 
 

@@ -279,3 +279,27 @@ def test_staging_is_the_fleets_own_and_a_dead_processs_is_swept(fake, tiny, tmp_
     assert len(list(ours.glob("weights-*/model.safetensors"))) == 1  # the last publication only
     client.close()
     assert not ours.exists() and live.exists()
+
+
+def test_a_fleet_never_released_leaves_no_staging_at_exit(fake, tmp_path):
+    """The Tinker service never closes its sampler engines: the process's exit removes them."""
+    import subprocess
+    import sys
+
+    _, url = fake
+    script = (
+        "import sys\n"
+        "from furlong.models.presets import build_preset\n"
+        "from furlong.rollout.base import RolloutEngine\n"
+        "from furlong.rollout.registry import EngineRequest, build_engine\n"
+        "model, tok = build_preset('tiny-qwen3', seed=0)\n"
+        "options = {'urls': [sys.argv[1]], 'staging_dir': sys.argv[2]}\n"
+        "client = build_engine('vllm', EngineRequest(model, tok, options=options), RolloutEngine)\n"
+        "print(client.staging_dir)\n"  # and exit without close()
+    )
+    root = tmp_path / "staging"
+    out = subprocess.run(
+        [sys.executable, "-c", script, url, str(root)], capture_output=True, text=True, check=True
+    )
+    staging = out.stdout.strip().splitlines()[-1]
+    assert staging.startswith(str(root)) and list(root.iterdir()) == []
