@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,server,ray]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,server,ray,tasks]'
 # tinker-cookbook: tests and docs run its weights.download against furlong serve. 0.5.8 caps
 # transformers<=5.5.4 (furlong needs >=5.20), so it cannot be a dependency and goes in without
 # its own: the module they use needs only tinker and pyrage, which the server extra brings.

@@ -1,4 +1,4 @@
-"""The `furlong` command line: demo | train | init-model | rollout-server | session-server |
+"""The `furlong` command line: demo | train | eval | init-model | rollout-server | session-server |
 serve | env."""
 
 from __future__ import annotations
@@ -86,6 +86,32 @@ def _resume_config(args: argparse.Namespace) -> Any:
     saved = find_checkpoint(args.resume)
     out = f"run.out_dir={json.dumps(str(saved.run_dir))}"
     return train_config(args, str(saved.path / "config.toml"), first=(out,))
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from furlong.rl import eval_command as ev
+
+    words = [*args.words, *(args.compare or [])]
+    models = [w for w in words if not _is_override(w) or Path(w).exists()]
+    overrides = [w for w in words if w not in models]
+    if args.show:
+        if len(models) != 1:
+            raise InputError("eval --show: name one run directory")
+        print(ev.show_samples(models[0], args.step, args.mode, args.wrong, args.limit))
+        return 0
+    if not models or len(models) > 2:
+        raise InputError(f"eval: name one model, or two with --compare (got {models})")
+    configs = [ev.run_config(m, args.config, overrides) for m in models]
+    scored = [
+        ev.score(m, c, args.samples, args.pass_k, args.seed)
+        for m, c in zip(models, configs, strict=True)
+    ]
+    print(ev.table(scored))
+    print()
+    print(ev.side_by_side(scored, args.examples))
+    out = ev.write_report(args.out, ev.report(scored, configs[0]))
+    print(f"\nwritten: {out}")
+    return 0
 
 
 def _init_model(args: argparse.Namespace) -> int:
@@ -342,6 +368,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--ray-colocate", action="store_true", help="with --ray: rank i and engine i share a bundle"
     )
     train.set_defaults(func=_train)
+
+    ev = sub.add_parser(
+        "eval",
+        help="score a model (preset, HF directory, run or checkpoint) on a task's held-out split",
+    )
+    ev.add_argument(
+        "words",
+        nargs="*",
+        metavar="MODEL | group.field=value",
+        help="the model, then overrides (task.name=reasoning_gym:chain_sum, task.eval_size=50)",
+    )
+    ev.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two models side by side")
+    ev.add_argument("--config", help="a TOML file for the task and sampling (default: the run's)")
+    ev.add_argument("--samples", type=int, help="draws per problem (default: task.eval_samples)")
+    ev.add_argument("--pass-k", type=int, help="> 1: pass@k from the draws (task.eval_pass_k)")
+    ev.add_argument("--seed", type=int, default=0, help="the sampled draws' seed")
+    ev.add_argument("--examples", type=int, default=5, help="greedy replies printed per model")
+    ev.add_argument("--out", default="eval.json", help="the JSON report (metrics, every reply)")
+    ev.add_argument("--show", action="store_true", help="print a run's samples.jsonl instead")
+    ev.add_argument("--step", type=int, help="with --show: this step (default: the last eval)")
+    ev.add_argument("--mode", choices=["greedy", "sampled", "train"], help="with --show")
+    ev.add_argument("--wrong", action="store_true", help="with --show: wrong replies only")
+    ev.add_argument("--limit", type=int, default=10, help="with --show: replies printed")
+    ev.set_defaults(func=_eval)
 
     init = sub.add_parser(
         "init-model",

@@ -28,6 +28,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
         "pyrage",
     ),
     "ray": ("ray",),
+    # task sources (furlong.rl.task_sources) and the math-equivalence verifier
+    "tasks": ("reasoning_gym", "datasets", "math_verify"),
 }
 # what each front door loads (its modules' imports, followed through furlong): "core" needs
 # only the package's own dependencies, an extra's doors that extra besides
@@ -50,12 +52,18 @@ DOORS: dict[str, tuple[str, ...]] = {
         "furlong.serving",
     ),
     "ray": ("furlong.rl.ray_rollout", "furlong.rl.ray_trainer", "furlong.rl.scale_out"),
+    "tasks": (
+        "furlong.rl.reasoning_gym_task",
+        "furlong.rl.datasets_task",
+        "furlong.rl.math_equivalence",
+    ),
 }
 
 
-def missing(extra: str) -> list[str]:
-    """The modules of ``extra`` that are not installed (found without importing them)."""
-    return [module for module in EXTRAS[extra] if find_spec(module) is None]
+def missing(extra: str, modules: tuple[str, ...] | None = None) -> list[str]:
+    """The modules of ``extra`` (or those of ``modules``, which it brings) that are not
+    installed (found without importing them)."""
+    return [module for module in modules or EXTRAS[extra] if find_spec(module) is None]
 
 
 def extra_of(package: str) -> str | None:
@@ -68,10 +76,10 @@ def install_hint(extra: str) -> str:
     return f"pip install 'furlong[{extra}]'"
 
 
-def require(extra: str, door: str) -> None:
+def require(extra: str, door: str, modules: tuple[str, ...] | None = None) -> None:
     """Raise :class:`InputError` naming ``door`` (a command, flag or config field) and the
-    install line when ``extra`` is not fully installed."""
-    gone = missing(extra)
+    install line when ``extra`` (or the part of it in ``modules``) is not installed."""
+    gone = missing(extra, modules)
     if gone:
         raise InputError(
             f"{door} needs furlong's {extra!r} extra ({', '.join(gone)} not installed): "

@@ -171,7 +171,7 @@ class MetricsLog:
         self.prefix = prefix or self.path.stem
         if "/" in self.prefix or self.prefix in (".", ".."):
             raise ValueError(f"prefix must be a plain name, got {self.prefix!r}")
-        kept = _kept_lines(self.path, resume_from_step) if resume_from_step is not None else []
+        kept = kept_lines(self.path, resume_from_step) if resume_from_step is not None else []
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         self.tracker = tracker
         self._tb = tracker.open_tensorboard(self.prefix) if tracker else None
@@ -204,7 +204,7 @@ class MetricsLog:
             self._tb = None
 
 
-def _kept_lines(path: Path, last_step: int) -> list[str]:
+def kept_lines(path: Path, last_step: int) -> list[str]:
     if not path.exists():
         return []
     lines = [line for line in path.read_text().splitlines() if line.strip()]

@@ -33,6 +33,8 @@ SLOW = (
     "tests/rl/test_demo_robustness.py::test_a_short_budget_lifts_held_out_accuracy_under_every_rounding",
     "tests/rl/test_ray.py",  # also carries @pytest.mark.slow
     "tests/rollout/test_vllm_real.py",  # a real vLLM server (its venv built on first use)
+    "tests/rl/test_eval_command.py",  # a short run, then furlong eval on it
+    "tests/tasks/test_reasoning_gym_source.py::test_game_of_life_halting_pays_any_reply",
     "tests/rollout/test_vllm_server.py",  # process groups
     "tests/rollout/test_vllm_client.py::test_a_fleet_never_released_leaves_no_staging_at_exit",
     "tests/rl/test_resume.py",

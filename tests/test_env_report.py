@@ -18,7 +18,7 @@ def test_the_report_names_this_install_and_its_kernels() -> None:
     assert report["furlong"] == furlong.__version__
     assert Path(report["location"]) == Path(furlong.__file__).parent
     assert report["libraries"]["torch"].startswith("2.")
-    assert set(report["extras"]) == {"server", "ray"}
+    assert set(report["extras"]) == {"server", "ray", "tasks"}
     kernels, detail = fk.kernel_build()
     assert report["fused_kernels"] == ("built" if kernels is not None else "unavailable")
     assert report["fused_kernels_detail"] == detail

@@ -26,10 +26,12 @@ from furlong.rl import resume as resume_mod
 from furlong.rl import scale_out, warmup
 from furlong.rl.config import RLConfig, RolloutConfig
 from furlong.rl.critic import build_critic
+from furlong.rl.evaluation import Evaluation, evaluate
 from furlong.rl.publish import publish_weights
 from furlong.rl.rollout_choice import build_rollout, rollout_kind
 from furlong.rl.scale import ScaleOut
-from furlong.rl.tasks import Problem, Task, build_task
+from furlong.rl.task_sources import held_out, make_task
+from furlong.rl.tasks import Problem, Task
 from furlong.rollout.base import RolloutEngine
 from furlong.rollout.sampling import SamplingParams
 from furlong.train.api import Trainer
@@ -66,10 +68,10 @@ class Parts:
     adapter: PeftModel | None = None
     warmed_base: tuple[PreTrainedModel, PreTrainedTokenizerBase] | None = None
 
-    def evaluate(self, samples: int) -> dict[str, float]:
+    def evaluate(self, samples: int, pass_k: int = 0) -> Evaluation:
         """Held-out accuracy: greedy, and pass@1 over ``samples`` draws per problem."""
         held_out, params = self.held_out, self.params
-        return warmup.evaluate(self.rollout, self.tokenizer, self.task, held_out, params, samples)
+        return evaluate(self.rollout, self.tokenizer, self.task, held_out, params, samples, pass_k)
 
 
 def build_parts(
@@ -95,7 +97,7 @@ def build_parts(
         from furlong.train.lora import untie_embeddings  # peft: only LoRA runs need it
 
         untie_embeddings(policy)  # the adapted head is no longer the embedding
-    task = build_task(t.name, t.reward, t.path, t.max_a, t.max_b)
+    task = make_task(t)
     losses: list[float] = []
     if config.warmup.steps and saved is None:  # a resumed run has its warm-up in the checkpoint
         engine = TrainingEngine(policy, tokenizer, engine_config)
@@ -106,7 +108,7 @@ def build_parts(
     if scale.enabled:  # trainer ranks (with Ray, the engines' placement too) in other processes
         actor, ray = scale_out.build(scale, config, policy, tokenizer, batch, engine_config)
     else:
-        actor = _actor(config, policy, tokenizer, engine_config)  # a fresh optimizer for RL
+        actor = trainer_for(config, policy, tokenizer, engine_config)  # a fresh optimizer for RL
         adapter = cast("PeftModel", actor.model) if m.lora_rank else None  # see _actor
     kind, staging = rollout_kind(ro.engine, scale), ro.staging_dir or None
     vllm = _vllm_options(ro) if kind == "vllm" else None
@@ -135,8 +137,8 @@ def build_parts(
         critic=critic,
         colocation=colocation,
         task=task,
-        held_out=task.eval[: t.eval_size] if t.eval_size else task.eval,
-        params=_sampling_params(config, policy),
+        held_out=held_out(task, t),
+        params=sampling_params(config, policy),
         tokenizer=tokenizer,
         rng=rng,
         warmup_losses=losses,
@@ -145,7 +147,7 @@ def build_parts(
     )
 
 
-def _sampling_params(config: RLConfig, policy: PreTrainedModel) -> SamplingParams:
+def sampling_params(config: RLConfig, policy: PreTrainedModel) -> SamplingParams:
     ro = config.rollout
     return SamplingParams(
         max_tokens=ro.max_tokens,
@@ -157,7 +159,7 @@ def _sampling_params(config: RLConfig, policy: PreTrainedModel) -> SamplingParam
     )
 
 
-def _actor(
+def trainer_for(
     config: RLConfig,
     policy: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,

@@ -29,7 +29,7 @@ from furlong.precision import DTYPES
 from furlong.rl.config_source import check_model_name, raw_config
 from furlong.rl.rollout_choice import check_choice
 from furlong.rl.scale import ScaleOut
-from furlong.rl.tasks import check_task
+from furlong.rl.task_sources import check_task_config
 from furlong.train.objectives import OBJECTIVES
 from furlong.train.optim import OptimizerConfig
 
@@ -67,16 +67,38 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Problems and the verifier that rewards a response. A name or reward of the form
-    ``"module:function"`` is your own (docs/rl.md, "Your own task and reward")."""
+    """Problems and the verifier that rewards a response (docs/tasks.md). A name or reward of
+    the form ``"module:function"`` is your own (docs/rl.md, "Your own task and reward")."""
 
-    name: str = "addition"  # addition | largest | reverse | jsonl | "module:function"
+    # addition | largest | reverse | jsonl | reasoning_gym:<dataset> | datasets:<file, directory
+    # or cached name> | "module:function"
+    name: str = "addition"
     path: str = ""  # the JSONL file for name = "jsonl" (a plug-in task receives it too)
-    reward: str = "exact_number"  # exact_number | exact_match | contains | "module:function"
+    # auto (the source's own: reasoning-gym's score_answer, else exact_number) | exact_number |
+    # exact_match | contains | numeric | math_verify | "module:function"
+    reward: str = "auto"
     max_a: int = 99  # addition: a in [0, max_a]; largest / reverse: digits per string
     max_b: int = 9  # addition: b in [0, max_b]
-    eval_size: int = 0  # held-out problems to evaluate; 0: all of them
+    config: dict[str, Any] = field(default_factory=dict)  # reasoning_gym: the generator's
+    args: dict[str, Any] = field(default_factory=dict)  # a plug-in task function's arguments
+    # the user's message; {question} (reasoning_gym) or a row's fields (datasets); "": as given
+    template: str = ""
+    system: str = ""  # a system message before it ("": the chat template's default)
+    prompt_field: str = "prompt"  # datasets: the column holding the question
+    answer_field: str = "answer"  # datasets: the column holding the reference answer
+    # how the reply's answer is found before the verifier sees it: whole | first_number |
+    # last_number | answer_tag (<answer>...</answer>) | boxed (\boxed{...}) | auto (answer_tag
+    # for reasoning_gym, else whole)
+    extract: str = "auto"
+    # added to the reward when a reply ends with its end token and has an answer to extract
+    format_reward: float = 0.0
+    # before training: constant and empty replies are scored on the train split, and one that
+    # earns > 10% is refused (refuse), reported (warn) or not checked (off); auto: refuse for
+    # reasoning_gym and datasets, off for the rest
+    constant_check: str = "auto"
+    eval_size: int = 0  # held-out problems to evaluate; 0: all of them (reasoning_gym: 200)
     eval_samples: int = 4  # sampled pass@1 draws per held-out problem (0: greedy only)
+    eval_pass_k: int = 0  # > 1: also pass@k from the eval_samples draws (unbiased estimator)
 
 
 @dataclass(frozen=True)
@@ -161,6 +183,9 @@ class RunConfig:
 
     steps: int = 60  # RL steps
     eval_every: int = 10  # held-out evaluation every this many steps (and at the end)
+    # samples.jsonl gets every evaluation's replies, and every this many steps the replies
+    # the step trained on (0: evaluations only)
+    samples_every: int = 0
     out_dir: str = "runs/rl"  # metrics.jsonl, warmup.jsonl, curves.png, policy/
     seed: int = 0  # problems, sampling and the critic's head
     export_hf: bool = True  # write the final policy as an HF directory (LoRA: merged)
@@ -207,7 +232,7 @@ class RLConfig:
         _one_of("algo.advantage", a.advantage, ("grpo", "gae", "reinforce_pp"))
         _one_of("algo.objective", a.objective, ACTOR_OBJECTIVES)
         _one_of("algo.normalize", a.normalize, ("token", "sequence"))
-        check_task(self.task.name, self.task.reward, self.task.path)  # imports plug-ins
+        check_task_config(self.task)  # imports plug-ins; a source's extra is installed
         # fast and offline-safe: an unknown name fails here, not in hub retries at the load
         check_model_name(self.model.name)
         _one_of("model.dtype", self.model.dtype, DTYPES)
@@ -237,6 +262,8 @@ class RLConfig:
                 f"rollout.engine: {self.rollout.engine!r} with [scale]: the scale-out places "
                 "its own engines (use rollout.engine = 'embedded' there)"
             )
+        if self.run.samples_every < 0:
+            raise InputError(f"run.samples_every: must be >= 0, got {self.run.samples_every}")
         if self.run.save_every < 0:
             raise InputError(f"run.save_every: must be >= 0 (0: none), got {self.run.save_every}")
         if a.advantage == "grpo" and r.group_size < 2:
@@ -417,9 +444,23 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             and all(isinstance(v, str) for v in value)  # list[str]: the only list field
         ):
             return list(value)
-        if typing.get_origin(option) is dict and isinstance(value, dict):  # dict[str, float]
-            return {k: _coerce(v, float, f"{where}.{k}") for k, v in value.items()}
+        if typing.get_origin(option) is dict and isinstance(value, dict):
+            item = typing.get_args(option)[1]  # float, or Any: a TOML table of scalars / lists
+            if item is Any:
+                return {k: _scalar(v, f"{where}.{k}") for k, v in value.items()}
+            return {k: _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
     raise InputError(f"{where}: expected {_describe(hint)}, got {value!r}")
+
+
+def _scalar(value: Any, where: str) -> Any:
+    """A value of a free-form table (``task.config``, ``task.args``): a str, number or bool,
+    or a list of them; no nested tables (``to_toml`` writes each table on one line)."""
+    plain = (str, int, float, bool)
+    if isinstance(value, plain) or (
+        isinstance(value, list) and all(isinstance(v, plain) for v in value)
+    ):
+        return value
+    raise InputError(f"{where}: expected a string, number, bool or a list of them, got {value!r}")
 
 
 def _describe(hint: Any) -> str:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from furlong.rl.tasks import Problem, Task
+from furlong.rl.tasks import Problem, Score, Task
 from furlong.rollout.base import GenerateResult, RolloutEngine
 from furlong.rollout.sampling import SamplingParams
 from furlong.train.objectives import OBJECTIVES
@@ -25,10 +25,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """The user's message in the chat template, ready for the assistant's turn."""
+def render_prompt(tokenizer: PreTrainedTokenizerBase, text: str, system: str = "") -> list[int]:
+    """The user's message (after ``system``, if any) in the chat template, ready for the
+    assistant's turn."""
+    messages = [{"role": "system", "content": system}] if system else []
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        [*messages, {"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
     )
     return tokenizer(rendered)["input_ids"]
 
@@ -39,6 +41,12 @@ class Episode:
     result: GenerateResult
     text: str  # the decoded response (special tokens dropped)
     reward: float = 0.0
+    score: Score | None = None  # the task's verdict (reward, correct, answer, stopped)
+
+    @property
+    def correct(self) -> float:
+        """The verifier's value without the format term."""
+        return self.reward if self.score is None else self.score.correct
 
     @property
     def prompt(self) -> list[int]:
@@ -80,7 +88,7 @@ def generate_episodes(
     task: Task,
 ) -> list[Episode]:
     """``group_size`` samples per problem (consecutive), scored by the task's verifier."""
-    prompts = [render_prompt(tokenizer, p.prompt) for p in problems]
+    prompts = [render_prompt(tokenizer, p.prompt, task.system) for p in problems]
     seed = params.seed
     per_sample = [
         dataclasses.replace(params, seed=None if seed is None else seed + i)
@@ -92,5 +100,6 @@ def generate_episodes(
         problem = problems[i // group_size]
         text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
         assert isinstance(text, str)  # one sequence decodes to one string
-        episodes.append(Episode(problem, result, text, task.reward(text, problem)))
+        score = task.score(text, problem, stopped=result.finish_reason == "stop")
+        episodes.append(Episode(problem, result, text, score.reward, score))
     return episodes

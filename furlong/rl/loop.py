@@ -41,8 +41,11 @@ from furlong.rl.build import ADAPTER, Parts, build_parts
 from furlong.rl.config import RLConfig, RunConfig, to_toml
 from furlong.rl.critic import critic_values, train_critic
 from furlong.rl.episodes import Episode, generate_episodes
+from furlong.rl.evaluation import Reply
 from furlong.rl.publish import publish_weights
 from furlong.rl.rollout_correction import truncated_is
+from furlong.rl.samples_log import FILE as SAMPLES
+from furlong.rl.samples_log import SamplesLog
 from furlong.rl.scale import ScaleOut
 from furlong.rl.signal_watch import SignalWatch
 from furlong.train.api import Trainer
@@ -81,14 +84,15 @@ def train(
     scale.check(config.colocate.enabled)
     saved = resume_mod.prepare(config, scale, resume)  # None: a fresh run
     start = time.perf_counter()
-    run, ro, samples = config.run, config.rollout, config.task.eval_samples
+    run, ro = config.run, config.rollout
     out, tracker, log, rows = _open_run(config, saved)
+    said = SamplesLog(out / SAMPLES, None if saved is None else saved.step)
     if parts is None:
         parts = _build_and_warm_up(config, scale, saved, out, tracker)
     else:  # built (and warmed up) by the caller: its losses are logged now
         _log_warmup(out, tracker, parts.warmup_losses)
     if saved is None:
-        before = accuracy = parts.evaluate(samples)
+        before = accuracy = _evaluate(config, parts, said, 0)
         log.write(0, before)
     else:  # the step-0 and latest evaluations are in the kept metrics
         before, accuracy = _evaluations(rows)
@@ -100,6 +104,8 @@ def train(
     for step in bar:
         tick = time.perf_counter()
         episodes, metrics = _generate(config, parts, step)  # 1-2. generate and reward
+        if run.samples_every and step % run.samples_every == 0:
+            said.write(step, [Reply.of("train", e) for e in episodes])
         kl_T = _kl_to_reference(parts.reference, episodes, ro.temperature)
         if kl_T is not None:
             metrics["kl:mean"] = float(torch.cat(kl_T).mean())
@@ -112,8 +118,7 @@ def train(
         pending = _stage_checkpoint(config, parts, out, step)  # the trainer is awake now
         metrics |= _publish(parts, step)  # 7. the new weights to the rollout engine
         if step % run.eval_every == 0 or step == run.steps:  # 8. evaluate
-            accuracy = parts.evaluate(samples)
-            metrics |= accuracy
+            metrics |= (accuracy := _evaluate(config, parts, said, step))
         metrics["step_seconds"] = time.perf_counter() - tick
         log.write(step, metrics)
         watch.observe(metrics)
@@ -171,6 +176,14 @@ def _metrics_log(
         )
     log = MetricsLog(path, tracker=tracker, prefix="rl", resume_from_step=saved.step)
     return log, read_metrics(path)
+
+
+def _evaluate(config: RLConfig, parts: Parts, said: SamplesLog, step: int) -> dict[str, float]:
+    """The held-out evaluation's metrics; its replies go to ``samples.jsonl``."""
+    t = config.task
+    evaluation = parts.evaluate(t.eval_samples, t.eval_pass_k)
+    said.write(step, evaluation.replies)
+    return evaluation.metrics
 
 
 def _evaluations(rows: list[dict[str, float]]) -> tuple[dict[str, float], dict[str, float]]:
@@ -279,6 +292,8 @@ def _episode_metrics(episodes: list[Episode], seconds: float) -> dict[str, float
     sampled = torch.cat([e.logprobs_T for e in episodes])
     return {
         "reward:mean": sum(e.reward for e in episodes) / len(episodes),
+        "correct:mean": sum(e.correct for e in episodes) / len(episodes),  # the verifier alone
+        "stopped:mean": sum(e.result.finish_reason == "stop" for e in episodes) / len(episodes),
         "response_tokens:mean": tokens / len(episodes),
         # -E[log p(sampled token)] estimates the sampling distribution's entropy
         "entropy:mean": float(-sampled.mean()),

@@ -6,20 +6,29 @@ held out by hash) and ``jsonl`` (``{"prompt": ..., "answer": ...}`` per line, an
 a plausible wrong answer for ``warmup.decoy_share``).
 Rewards are looked up by name in :data:`REWARDS`.
 
+Task sources from libraries (``furlong.rl.task_sources``): ``reasoning_gym:<dataset>`` and
+``datasets:<file or name>``; see docs/tasks.md.
+
 Plug-ins, slime-style: a ``task.name`` or ``task.reward`` holding a ``:`` is a function path
 ``"module:function"``. The module is imported with :func:`importlib.import_module` (a dotted
 name on ``sys.path``; the working directory is searched last, so a ``my_reward.py`` beside the
 run works under the ``furlong`` script too):
 
 - reward: ``score(response: str, problem: Problem) -> float``, like :data:`REWARDS`' entries;
-- task: ``problems(*, path: str, max_a: int, max_b: int) -> (train, eval)``, two non-empty
-  lists of :class:`Problem`, like the built-in generators (``addition``, ``jsonl``).
+- task: ``problems(**kwargs) -> (train, eval)``, two non-empty lists of :class:`Problem`, like
+  the built-in generators (``addition``, ``jsonl``). It receives the ``task.args`` table, and
+  those of ``path``, ``max_a`` and ``max_b`` its signature names (all three if it takes
+  ``**kwargs``).
+
+A :class:`Problem` carries a ``metadata`` mapping (a generator's entry, a dataset's row) through
+to its verifier.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import json
 import math
 import numbers
@@ -27,11 +36,13 @@ import os
 import random
 import re
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from furlong.errors import InputError
+from furlong.rl import extract as extract_mod
 
 
 @dataclass(frozen=True)
@@ -41,9 +52,13 @@ class Problem:
     # a plausible wrong answer (reverse: the digits echoed), which a noisy warm-up teacher
     # shows instead of the answer (warmup.decoy_share); "" where the task has none
     decoy: str = ""
+    # what the source knows about the problem (reasoning-gym's entry, a dataset's row), for
+    # the verifier: problem.metadata["..."]
+    metadata: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
 Verifier = Callable[[str, Problem], float]
+Extractor = Callable[[str], "str | None"]  # the reply -> its answer (None: none found)
 _NUMBER = re.compile(r"-?\d+")
 
 
@@ -62,11 +77,44 @@ def contains(response: str, problem: Problem) -> float:
     return float(problem.answer.strip() in response)
 
 
+def numeric(response: str, problem: Problem) -> float:
+    """1 when the response and the answer are the same number (commas dropped, 1e-9 relative)."""
+    try:
+        got, want = (float(s.strip().replace(",", "")) for s in (response, problem.answer))
+    except ValueError:
+        return 0.0
+    return float(math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12))
+
+
+def math_verify(response: str, problem: Problem) -> float:
+    """1 when ``math-verify`` finds the response mathematically equal to the answer
+    (``pip install 'furlong[tasks]'``): 1/2 = 0.5 = \\frac{1}{2}, sets, intervals, LaTeX."""
+    from furlong.extras import require
+
+    require("tasks", "task.reward = 'math_verify'", ("math_verify",))
+    from furlong.rl.math_equivalence import equivalent
+
+    return float(equivalent(response, problem.answer))
+
+
 REWARDS: dict[str, Verifier] = {
     "exact_number": exact_number,
     "exact_match": exact_match,
     "contains": contains,
+    "numeric": numeric,
+    "math_verify": math_verify,
 }
+
+
+@dataclass(frozen=True)
+class Score:
+    """One reply, scored: ``correct`` is the verifier's value (what evaluations report),
+    ``reward`` adds the format term (what RL learns from)."""
+
+    reward: float
+    correct: float
+    answer: str | None  # what the extraction found in the reply (None: nothing)
+    stopped: bool  # the reply ended with its end token (not cut at max_tokens)
 
 
 @dataclass(frozen=True)
@@ -74,10 +122,19 @@ class Task:
     name: str
     train: list[Problem]
     eval: list[Problem]
-    reward: Verifier
+    reward: Verifier  # sees the extracted answer (the whole reply by default)
+    extract: Extractor = extract_mod.whole
+    format_reward: float = 0.0  # added when a reply stops and has an answer
+    system: str = ""  # the system message each prompt is rendered with ("": the template's)
 
     def sample(self, n: int, rng: random.Random) -> list[Problem]:
         return [rng.choice(self.train) for _ in range(n)]
+
+    def score(self, reply: str, problem: Problem, stopped: bool = True) -> Score:
+        answer = self.extract(reply)
+        correct = 0.0 if answer is None else self.reward(answer, problem)
+        formed = self.format_reward if stopped and answer is not None else 0.0
+        return Score(correct + formed, correct, answer, stopped)
 
 
 def _held_out(key: str, share: float) -> bool:
@@ -150,11 +207,19 @@ def jsonl(path: str | Path) -> tuple[list[Problem], list[Problem]]:
 TASKS = ("addition", "largest", "reverse", "jsonl")
 
 
-def build_task(name: str, reward: str, path: str = "", max_a: int = 99, max_b: int = 9) -> Task:
+def build_task(
+    name: str,
+    reward: str,
+    path: str = "",
+    max_a: int = 99,
+    max_b: int = 9,
+    args: Mapping[str, Any] | None = None,
+) -> Task:
+    """A built-in, JSONL or plug-in task (``args``: a plug-in's ``task.args``)."""
     check_task(name, reward, path)
     verifier = resolve_reward(reward)
     if ":" in name:
-        train, held = _plugin_problems(name, path, max_a, max_b)
+        train, held = _plugin_problems(name, dict(args or {}), path, max_a, max_b)
     elif name == "addition":
         train, held = addition(max_a, max_b)
     elif name == "largest":
@@ -194,7 +259,10 @@ _FORM = "'module:function'"
 
 
 def resolve_reward(reward: str) -> Verifier:
-    """A name in :data:`REWARDS` (looked up now, so registering at runtime works) or a path."""
+    """A name in :data:`REWARDS` (looked up now, so registering at runtime works) or a path;
+    ``auto`` here is ``exact_number``."""
+    if reward == "auto":
+        reward = "exact_number"
     if ":" in reward:
         return PluginReward(reward, load_function(reward, "task.reward"))
     if reward not in REWARDS:
@@ -255,9 +323,15 @@ class PluginReward:
 
 
 def _plugin_problems(
-    spec: str, path: str, max_a: int, max_b: int
+    spec: str, args: dict[str, Any], path: str, max_a: int, max_b: int
 ) -> tuple[list[Problem], list[Problem]]:
-    made = load_function(spec, "task.name")(path=path, max_a=max_a, max_b=max_b)
+    function = load_function(spec, "task.name")
+    kwargs = _accepted(function, {"path": path, "max_a": max_a, "max_b": max_b}) | args
+    try:
+        inspect.signature(function).bind(**kwargs)
+    except TypeError as e:  # a task.args key it does not take, or one it needs and lacks
+        raise InputError(f"task.args: {spec} cannot take {sorted(kwargs)}: {e}") from None
+    made = function(**kwargs)
     if not _is_split(made):
         raise InputError(
             f"task.name: {spec} must return (train, eval): two non-empty lists of Problem, "
@@ -265,6 +339,17 @@ def _plugin_problems(
         )
     train, held = made
     return list(train), list(held)  # copies: build_task shuffles the held-out list
+
+
+def _accepted(function: Callable, offered: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``offered`` that ``function``'s signature names (all with ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: offer everything
+        return offered
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return offered
+    return {k: v for k, v in offered.items() if k in parameters}
 
 
 def _is_split(made: object) -> bool:

@@ -1,10 +1,9 @@
-"""Supervised warm-up and held-out evaluation, both on a task's problems in chat form."""
+"""Supervised warm-up on a task's train problems in chat form."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,10 +12,8 @@ from tqdm import tqdm
 from furlong.errors import InputError
 from furlong.metrics import Heartbeat, MetricsLog
 from furlong.rl.config import WarmupConfig
-from furlong.rl.episodes import generate_episodes, render_prompt
+from furlong.rl.episodes import render_prompt
 from furlong.rl.tasks import Problem, Task
-from furlong.rollout.base import RolloutEngine
-from furlong.rollout.sampling import SamplingParams
 from furlong.train.engine import TrainingEngine
 from furlong.types import AdamParams, Datum
 
@@ -24,9 +21,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def sft_datum(tokenizer: PreTrainedTokenizerBase, problem: Problem, scale: float = 1.0) -> Datum:
+def sft_datum(
+    tokenizer: PreTrainedTokenizerBase, problem: Problem, scale: float = 1.0, system: str = ""
+) -> Datum:
     """The chat-formatted problem with its answer; weight ``scale`` on the answer tokens."""
-    prompt = render_prompt(tokenizer, problem.prompt)
+    prompt = render_prompt(tokenizer, problem.prompt, system)
     answer = answer_ids(tokenizer, problem)
     return Datum.next_token(prompt + answer, weights=torch.full((len(answer),), scale))
 
@@ -61,7 +60,7 @@ def supervised_warmup(
             _demonstration(p, config.decoy_share, rng) for p in task.sample(config.batch_size, rng)
         ]
         total = sum(len(answer_ids(engine.tokenizer, p)) for p in problems)
-        batch = [sft_datum(engine.tokenizer, p, 1.0 / total) for p in problems]
+        batch = [sft_datum(engine.tokenizer, p, 1.0 / total, task.system) for p in problems]
         out = engine.forward_backward(batch, "cross_entropy")
         engine.optim_step(adam)
         losses.append(out.metrics["loss:sum"])
@@ -78,28 +77,3 @@ def _demonstration(problem: Problem, decoy_share: float, rng: random.Random) -> 
     if decoy_share and rng.random() < decoy_share:
         return dataclasses.replace(problem, answer=problem.decoy)
     return problem
-
-
-def evaluate(
-    rollout: RolloutEngine,
-    tokenizer: PreTrainedTokenizerBase,
-    task: Task,
-    problems: Sequence[Problem],
-    params: SamplingParams,
-    samples: int,
-) -> dict[str, float]:
-    """Held-out accuracy (mean reward): greedy, and pass@1 sampled with the rollout's own
-    settings averaged over ``samples`` draws per problem (fixed seeds: comparable across
-    evaluations)."""
-
-    def accuracy(settings: SamplingParams, draws: int) -> float:
-        episodes = generate_episodes(rollout, tokenizer, problems, draws, settings, task)
-        return sum(e.reward for e in episodes) / len(episodes)
-
-    greedy = dataclasses.replace(params, temperature=0.0, top_k=0, top_p=1.0, seed=None)
-    greedy = dataclasses.replace(greedy, return_sampling_mask=False)
-    out = {"eval_greedy": accuracy(greedy, 1)}
-    if samples:
-        sampled = dataclasses.replace(params, seed=12345, return_sampling_mask=False)
-        out["eval_pass1"] = accuracy(sampled, samples)
-    return out
