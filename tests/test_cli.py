@@ -133,7 +133,11 @@ def test_demo_smoke(tmp_path: Path, capsys) -> None:
     summary = run_demo(config)
     printed = capsys.readouterr().out
     assert "held-out greedy" in printed and "held-out pass1" in printed
-    assert summary.before.keys() == summary.after.keys() == {"eval_greedy", "eval_pass1"}
+    assert (
+        summary.before.keys()
+        == summary.after.keys()
+        == {"eval_greedy", "eval_solved", "eval_stopped", "eval_pass1"}
+    )
 
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]

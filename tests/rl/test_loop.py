@@ -104,7 +104,11 @@ def test_grpo_trains_publishes_and_writes_its_outputs(tmp_path, short_reward) ->
     assert_trained_and_published(r)
     rows, summary = r.rows, r.summary
     assert rows[0]["step"] == 0 and "eval_greedy" in rows[0] and "eval_pass1" in rows[0]
-    assert summary.before.keys() == summary.after.keys() == {"eval_greedy", "eval_pass1"}
+    assert (
+        summary.before.keys()
+        == summary.after.keys()
+        == {"eval_greedy", "eval_solved", "eval_stopped", "eval_pass1"}
+    )
     assert (rows[0]["eval_greedy"], rows[-1]["eval_greedy"]) == (
         summary.before["eval_greedy"],
         summary.after["eval_greedy"],
