@@ -24,7 +24,7 @@ from furlong.models.moe import find_routers
 from furlong.precision import resolve_dtype
 from furlong.rl import resume as resume_mod
 from furlong.rl import scale_out, warmup
-from furlong.rl.config import RLConfig, RolloutConfig
+from furlong.rl.config import ModelConfig, RLConfig, RolloutConfig
 from furlong.rl.critic import build_critic
 from furlong.rl.evaluation import Evaluation, evaluate
 from furlong.rl.publish import publish_weights
@@ -90,8 +90,7 @@ def build_parts(
         device=m.device, optimizer=config.optimizer, share_prefixes=config.algo.share_prefixes
     )
     source = resume_mod.model_source(saved, m.name)  # a LoRA run's warmed-up base on resume
-    dtype = getattr(torch, resolve_dtype(m.dtype, m.device))
-    policy, tokenizer = load_model(source, seed=m.seed, dtype=dtype)
+    policy, tokenizer = load_policy(source, m)
     policy.to(m.device)  # type: ignore[arg-type]  # in place; see ray_rollout.RolloutActor
     if m.lora_rank and m.lora_unembed:
         from furlong.train.lora import untie_embeddings  # peft: only LoRA runs need it
@@ -145,6 +144,13 @@ def build_parts(
         adapter=adapter,
         warmed_base=(policy, tokenizer) if m.lora_rank and config.warmup.steps else None,
     )
+
+
+def load_policy(source: str, m: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``source`` (a preset, an HF directory) in ``model.dtype``, a preset seeded by
+    ``model.seed``; on the CPU (the caller moves it to ``model.device``)."""
+    dtype = getattr(torch, resolve_dtype(m.dtype, m.device))
+    return load_model(source, seed=m.seed, dtype=dtype)
 
 
 def sampling_params(config: RLConfig, policy: PreTrainedModel) -> SamplingParams:

@@ -19,7 +19,6 @@ has are dropped.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import datasets
 import datasets.config
 
 from furlong.errors import InputError
-from furlong.rl.tasks import Problem
+from furlong.rl.tasks import Problem, stably_held_out
 
 PREFIX = "datasets:"  # task_sources.DATASETS
 FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
@@ -64,7 +63,7 @@ def build(
     template: str,
     check_template: Callable[[set[str]], None],
 ) -> tuple[list[Problem], list[Problem]]:
-    check(name)
+    """(train, held-out) of a checked name (:func:`check`)."""
     splits = _load(name)
     columns = set(next(iter(splits.values())).column_names)
     for field, column in (("task.prompt_field", prompt_field), ("task.answer_field", answer_field)):
@@ -82,8 +81,8 @@ def build(
     train = [problem(r) for r in splits[train_name]]
     if held_name is None:  # one split: a stable tenth held out
         rows = train
-        train = [p for p in rows if not _held_out(p.prompt)]
-        held = [p for p in rows if _held_out(p.prompt)]
+        train = [p for p in rows if not stably_held_out(p.prompt, HELD_OUT_SHARE)]
+        held = [p for p in rows if stably_held_out(p.prompt, HELD_OUT_SHARE)]
     else:
         held = [problem(r) for r in splits[held_name]]
     asked = {p.prompt for p in train}
@@ -91,11 +90,6 @@ def build(
     if not train or not held:
         raise InputError(f"task.name: {name} needs both train and held-out rows")
     return train, held
-
-
-def _held_out(prompt: str) -> bool:
-    digest = hashlib.sha256(prompt.encode()).digest()
-    return int.from_bytes(digest[:4], "big") / 2**32 < HELD_OUT_SHARE
 
 
 def _load(name: str) -> dict[str, Any]:

@@ -64,10 +64,7 @@ class Loaded:
 
 def load(model: str, config: RLConfig) -> Loaded:
     """An embedded engine holding ``model``'s weights."""
-    import torch
-
-    from furlong.models.loading import load_model
-    from furlong.precision import resolve_dtype
+    from furlong.rl.build import load_policy
     from furlong.rl.rollout_choice import build_rollout
 
     path = Path(model)
@@ -79,29 +76,22 @@ def load(model: str, config: RLConfig) -> Loaded:
         if not (path / "policy" / "config.json").is_file():
             raise InputError(f"model: run directory {model} has neither policy/ nor checkpoints/")
         model = str(path / "policy")
-    dtype = getattr(torch, resolve_dtype(config.model.dtype, config.model.device))
-    policy, tokenizer = load_model(model, seed=config.model.seed, dtype=dtype)
+    policy, tokenizer = load_policy(model, config.model)
     return Loaded(build_rollout("embedded", [], policy, tokenizer, BATCH), tokenizer, policy)
 
 
 def _checkpoint(path: Path) -> Loaded:
     """The actor of a checkpoint (every weight or a LoRA adapter), loaded as the loop does on
     resume and published to a fresh engine."""
-    import torch
-
-    from furlong.models.loading import load_model
-    from furlong.precision import resolve_dtype
     from furlong.rl import resume
-    from furlong.rl.build import trainer_for
+    from furlong.rl.build import load_policy, trainer_for
     from furlong.rl.publish import publish_weights
     from furlong.rl.rollout_choice import build_rollout
     from furlong.train.engine import EngineConfig
 
     saved = resume.find_checkpoint(path)
     cfg = saved.config
-    dtype = getattr(torch, resolve_dtype(cfg.model.dtype, cfg.model.device))
-    source = resume.model_source(saved, cfg.model.name)
-    policy, tokenizer = load_model(source, seed=cfg.model.seed, dtype=dtype)
+    policy, tokenizer = load_policy(resume.model_source(saved, cfg.model.name), cfg.model)
     actor = trainer_for(cfg, policy, tokenizer, EngineConfig(device=cfg.model.device))
     resume.restore_actor(saved, actor)
     rollout = build_rollout("embedded", [], policy, tokenizer, BATCH)

@@ -60,9 +60,8 @@ EXTRACTORS: dict[str, Callable[[str], str | None]] = {
 }
 
 
-def resolve_extract(name: str, default: str = "whole") -> Callable[[str], str | None]:
-    """``task.extract``'s function; ``auto`` is the source's ``default``."""
-    name = default if name == "auto" else name
+def resolve_extract(name: str) -> Callable[[str], str | None]:
+    """``task.extract``'s function (``auto`` resolved to the source's choice first)."""
     if name not in EXTRACTORS:
         choices = [*EXTRACTORS, "auto"]
         raise InputError(

@@ -13,7 +13,6 @@ share an item, however small the generator's space (``chain_sum`` with two 1-dig
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +20,7 @@ import reasoning_gym
 from reasoning_gym.factory import DATASETS
 
 from furlong.errors import InputError, did_you_mean
-from furlong.rl.tasks import Problem
+from furlong.rl.tasks import Problem, stably_held_out
 
 PREFIX = "reasoning_gym:"  # task_sources.REASONING_GYM
 HELD_OUT_SHARE = 0.2
@@ -57,8 +56,8 @@ class ReasoningGymScorer:
 def build(
     name: str, config: Mapping[str, Any], eval_size: int, template: str
 ) -> tuple[list[Problem], list[Problem], ReasoningGymScorer]:
-    """(train, held-out, the dataset's scorer); ``eval_size`` 0: :data:`DEFAULT_EVAL_SIZE`."""
-    check(name)
+    """(train, held-out, the dataset's scorer) of a checked name (:func:`check`);
+    ``eval_size`` 0: :data:`DEFAULT_EVAL_SIZE`."""
     dataset = dataset_name(name)
     settings = {"size": DEFAULT_TRAIN_SIZE, "seed": 0} | dict(config)
     want = eval_size or DEFAULT_EVAL_SIZE
@@ -69,13 +68,13 @@ def build(
         held_set = reasoning_gym.create_dataset(dataset, **held_settings)
     except (TypeError, ValueError, AssertionError) as e:  # an unknown knob, a bad range
         raise InputError(f"task.config: reasoning-gym's {dataset!r} refused {settings}: {e}") from e
-    train = [_problem(e, template) for e in train_set if not _held_out(e["question"])]
+    train = [_problem(e, template) for e in train_set if not held_out(e["question"])]
     asked = {p.metadata["question"] for p in train}
     held: list[Problem] = []
     for entry in held_set:
         if len(held) == want:
             break
-        if _held_out(entry["question"]) and entry["question"] not in asked:
+        if held_out(entry["question"]) and entry["question"] not in asked:
             asked.add(entry["question"])
             held.append(_problem(entry, template))
     if not held:
@@ -88,10 +87,9 @@ def build(
     return train, held, ReasoningGymScorer(train_set)
 
 
-def _held_out(question: str) -> bool:
+def held_out(question: str) -> bool:
     """A stable fifth of the questions is held out whichever seed draws them."""
-    digest = hashlib.sha256(question.encode()).digest()
-    return int.from_bytes(digest[:4], "big") / 2**32 < HELD_OUT_SHARE
+    return stably_held_out(question, HELD_OUT_SHARE)
 
 
 def _problem(entry: Mapping[str, Any], template: str) -> Problem:

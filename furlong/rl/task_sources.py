@@ -57,7 +57,7 @@ def check_task_config(t: TaskConfig) -> None:
     source = source_of(t.name)
     if t.constant_check not in CHECKS:
         raise InputError(f"task.constant_check: unknown {t.constant_check!r}; expected {CHECKS}")
-    resolve_extract(t.extract)
+    resolve_extract(extract_name(t))
     if t.format_reward < 0:
         raise InputError(f"task.format_reward: must be >= 0, got {t.format_reward}")
     if t.eval_pass_k < 0 or t.eval_pass_k > max(t.eval_samples, 1):
@@ -65,16 +65,14 @@ def check_task_config(t: TaskConfig) -> None:
             f"task.eval_pass_k: {t.eval_pass_k} needs task.eval_samples >= it "
             f"(got {t.eval_samples} draws per problem)"
         )
+    if t.args and (source != "tasks" or ":" not in t.name):
+        raise InputError("task.args: only a plug-in task ('module:function') takes arguments")
     if source == "tasks":
         check_task(t.name, t.reward, t.path)
         for field, value in (("task.config", t.config), ("task.template", t.template)):
             if value:
                 raise InputError(f"{field}: only for reasoning_gym: and datasets: tasks")
-        if t.args and ":" not in t.name:
-            raise InputError("task.args: only a plug-in task ('module:function') takes arguments")
         return
-    if t.args:
-        raise InputError("task.args: only a plug-in task ('module:function') takes arguments")
     _source_module(t.name).check(t.name)
     if source == "reasoning_gym":
         _check_template(t.template, {"question"})
@@ -107,8 +105,6 @@ def make_task(t: TaskConfig) -> Task:
             t.name, t.config, t.eval_size, t.template
         )
         verifier = scorer if t.reward == "auto" else resolve_reward(t.reward)
-        task = Task(t.name, train, held, verifier)
-        extract = resolve_extract(t.extract, "answer_tag")
     elif source == "datasets":
         train, held = _source_module(t.name).build(
             t.name,
@@ -117,22 +113,25 @@ def make_task(t: TaskConfig) -> Task:
             t.template,
             lambda f: _check_template(t.template, f),
         )
-        task = Task(t.name, train, held, resolve_reward(t.reward))
-        extract = resolve_extract(t.extract)
+        verifier = resolve_reward(t.reward)
     else:
-        task = build_task(t.name, t.reward, t.path, t.max_a, t.max_b, t.args)
-        extract = resolve_extract(t.extract)
-    task = Task(task.name, task.train, task.eval, task.reward, extract, t.format_reward, t.system)
+        built = build_task(t.name, t.reward, t.path, t.max_a, t.max_b, t.args)
+        train, held, verifier = built.train, built.eval, built.reward
+    extract = extract_name(t)
+    task = Task(t.name, train, held, verifier, resolve_extract(extract), t.format_reward, t.system)
     mode = t.constant_check
     if mode == "auto":  # the built-ins are known; a plug-in's stub rewards are its own call
         mode = "off" if source == "tasks" else "refuse"
     if mode != "off":
-        check_constants(task, t.extract if t.extract != "auto" else _auto_extract(source), mode)
+        check_constants(task, extract, mode)
     return task
 
 
-def _auto_extract(source: str) -> str:
-    return "answer_tag" if source == "reasoning_gym" else "whole"
+def extract_name(t: TaskConfig) -> str:
+    """``task.extract``, ``auto`` resolved: ``answer_tag`` for reasoning-gym, else ``whole``."""
+    if t.extract != "auto":
+        return t.extract
+    return "answer_tag" if source_of(t.name) == "reasoning_gym" else "whole"
 
 
 def constant_scores(task: Task, extract: str) -> dict[str, float]:
@@ -171,9 +170,3 @@ def check_constants(task: Task, extract: str, mode: str) -> None:
 def held_out(task: Task, t: TaskConfig) -> list[Problem]:
     """The problems an evaluation scores: the first ``task.eval_size`` held-out ones (all: 0)."""
     return task.eval[: t.eval_size] if t.eval_size else task.eval
-
-
-def held_out_overlap(train: list[Problem], held: list[Problem]) -> int:
-    """Held-out prompts also in the train split (0 for every source: checked by its tests)."""
-    asked = {p.prompt for p in train}
-    return sum(p.prompt in asked for p in held)

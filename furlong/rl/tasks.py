@@ -137,8 +137,8 @@ class Task:
         return Score(correct + formed, correct, answer, stopped)
 
 
-def _held_out(key: str, share: float) -> bool:
-    """A stable split: the same problem is always on the same side."""
+def stably_held_out(key: str, share: float) -> bool:
+    """A stable split: the same problem is always on the same side (a hash of ``key``)."""
     digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:4], "big") / 2**32 < share
 
@@ -152,7 +152,7 @@ def addition(
     for a in range(max_a + 1):
         for b in range(max_b + 1):
             problem = Problem(f"What is {a} + {b}?", str(a + b))
-            (held if _held_out(f"{a}+{b}", held_out) else train).append(problem)
+            (held if stably_held_out(f"{a}+{b}", held_out) else train).append(problem)
     return train, held
 
 
@@ -164,7 +164,7 @@ def largest(count: int = 4, held_out: float = 0.2) -> tuple[list[Problem], list[
         digits = f"{n:0{count}d}"
         prompt = f"Which digit is largest: {' '.join(digits)}?"
         problem = Problem(prompt, max(digits), decoy=min(digits))
-        (held if _held_out(digits, held_out) else train).append(problem)
+        (held if stably_held_out(digits, held_out) else train).append(problem)
     return train, held
 
 
@@ -175,7 +175,7 @@ def reverse(count: int = 3, held_out: float = 0.2) -> tuple[list[Problem], list[
     for n in range(10**count):
         digits = f"{n:0{count}d}"
         problem = Problem(f"Reverse {' '.join(digits)}", digits[::-1], decoy=digits)
-        (held if _held_out(digits, held_out) else train).append(problem)
+        (held if stably_held_out(digits, held_out) else train).append(problem)
     return train, held
 
 

@@ -29,11 +29,11 @@ def chain_sum(**fields) -> TaskConfig:
 def test_splits_are_the_generators_and_never_share_a_question() -> None:
     import reasoning_gym
 
-    from furlong.rl.reasoning_gym_task import _held_out
+    from furlong.rl.reasoning_gym_task import held_out
 
     task = make_task(chain_sum())
     drawn = list(reasoning_gym.create_dataset("chain_sum", seed=0, **CHAIN))
-    train = [e for e in drawn if not _held_out(e["question"])]
+    train = [e for e in drawn if not held_out(e["question"])]
     assert 0.6 * len(drawn) < len(train) < len(drawn)  # a fifth of the questions held out
     assert [p.prompt for p in task.train] == [e["question"] for e in train]
     assert [p.answer for p in task.train] == [e["answer"] for e in train]
